@@ -1,0 +1,199 @@
+"""Paged KV-cache bookkeeping with automatic prefix caching. Pure Python: no tensors here.
+
+Every block holds `block_size` token slots in every layer's K/V pool. A sequence owns a block
+table (list of block ids). Full blocks are identified by a hash chained over (parent hash, the
+block's tokens), so equal prefixes map to equal hashes. Blocks that no sequence uses go back to
+the free list but keep their hash: a later request with the same prefix reuses them, and they are
+overwritten least recently freed first, only when no truly empty block is left.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    """Hands out KV blocks, keeps per-sequence block tables and the prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 watermark: float = 0.01):
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the front is reused first (least recently freed).
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self._watermark_blocks = int(watermark * num_blocks)
+        # Prefix-cache statistics, in tokens.
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- statistics -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix."""
+        return sum(1 for b in self._free if self.blocks[b].hash is not None)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def stats(self) -> dict[str, float]:
+        return {"total": self.num_blocks, "used": self.num_used_blocks, "cached": self.num_cached_blocks,
+                "free": self.num_free_blocks, "prefix_hit_rate": self.prefix_hit_rate}
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest cached prefix of `seq` (never its last token)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        tokens = seq.token_ids
+        matched: list[int] = []
+        parent = None
+        for i in range((len(tokens) - 1) // bs):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, block_tokens)
+            block_id = self._hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != block_tokens:
+                break
+            matched.append(block_id)
+            parent = h
+        return matched
+
+    # ---- allocation -------------------------------------------------------------------------
+    def can_allocate(self, matched: list[int], num_tokens: int) -> bool:
+        """Whether a waiting sequence can get blocks for `num_tokens` tokens, reusing `matched`."""
+        revived = sum(1 for b in matched if self.blocks[b].ref_count == 0)
+        new = max(self.blocks_for(num_tokens) - len(matched), 0)
+        return revived + new <= self.num_free_blocks - self._watermark_blocks
+
+    def allocate(self, seq: Sequence, matched: list[int], num_tokens: int) -> None:
+        """Give a waiting sequence its block table: the matched prefix, then fresh blocks."""
+        assert not seq.block_table, f"{seq} already has blocks"
+        for block_id in matched:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = len(matched) * self.block_size
+        seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.prefix_query_tokens += seq.num_tokens
+        self.prefix_hit_tokens += seq.num_computed_tokens
+        self._grow(seq, num_tokens)
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` can hold `num_tokens` tokens in total."""
+        return self.blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> None:
+        self._grow(seq, num_tokens)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        for _ in range(self.blocks_for(num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its cached prefix
+            if self._hash_to_block.get(block.hash) == block_id:
+                del self._hash_to_block[block.hash]
+            block.hash = None
+            block.token_ids = None
+        block.ref_count = 1
+        return block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks. Its tail goes first in the eviction order, its head last."""
+        for block_id in reversed(seq.block_table):
+            if block_id < 0:  # pruned out of the KV window already
+                continue
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                if block.hash is None:
+                    # Nothing reusable in it: make it the first to be handed out again.
+                    self._free[block_id] = None
+                    self._free.move_to_end(block_id, last=False)
+                else:
+                    self._free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def release_block(self, seq: Sequence, index: int) -> None:
+        """Drop one block of a running sequence (KV-window pruning); its slot becomes -1."""
+        block_id = seq.block_table[index]
+        if block_id < 0:
+            return
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+            if block.hash is not None and self._hash_to_block.get(block.hash) == block_id:
+                del self._hash_to_block[block.hash]
+            block.hash = None
+            block.token_ids = None
+        seq.block_table[index] = -1
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of `seq`'s blocks whose K/V are now completely computed."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        hashes = seq.block_hashes
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        tokens = seq.token_ids
+        for i in range(len(hashes), full):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(hashes[-1] if hashes else None, block_tokens)
+            hashes.append(h)
+            block_id = seq.block_table[i]
+            if block_id < 0:
+                continue
+            block = self.blocks[block_id]
+            if block.hash is None:
+                block.hash = h
+                block.token_ids = block_tokens
+                self._hash_to_block.setdefault(h, block_id)
+
+    def check_invariants(self) -> None:
+        """For tests: every block is either free with ref 0 or used with ref > 0."""
+        for block in self.blocks:
+            in_free = block.block_id in self._free
+            assert in_free == (block.ref_count == 0), f"block {block.block_id}: ref {block.ref_count}, free {in_free}"
+        for h, block_id in self._hash_to_block.items():
+            assert self.blocks[block_id].hash == h

@@ -1,0 +1,104 @@
+"""Engine configuration: one validated dataclass, built from kwargs or from config.pbtxt parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "longest_output_first")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown or malformed; the message names the parameter."""
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start. Field names are the config.pbtxt parameter names."""
+
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0: size the pool from memory (kv_cache_memory_fraction)
+    kv_cache_memory_fraction: float = 0.5
+    kv_cache_max_bytes: int = 4 << 30  # CPU cap on the pool, so one model cannot take all RAM
+    enable_prefix_caching: bool = True
+    kv_window: int = 0  # recent-window KV pruning: keep this many recent tokens (0: off)
+    kv_window_ratio: float = 0.0  # ... or this fraction of the prompt (0: off)
+    kv_sink_tokens: int = 4
+    scheduling_policy: str = "fcfs"
+    max_queue_size: int = 0  # 0: unbounded waiting queue
+    num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default)
+    warmup: bool = True
+    seed: int = 0
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def positive(name: str) -> None:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            positive(name)
+        if self.num_kv_blocks < 0:
+            raise ConfigError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.kv_window < 0 or not 0.0 <= self.kv_window_ratio < 1.0:
+            raise ConfigError("kv_window must be >= 0 and kv_window_ratio in [0, 1)")
+        if self.kv_window and self.kv_window < 2 * self.block_size:
+            raise ConfigError(f"kv_window must be at least 2 * block_size ({2 * self.block_size})")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        dev = self.device.split(":")[0]
+        if dev not in ("auto", "cpu", "cuda", "npu"):
+            raise ConfigError(f"device must be auto, cpu, cuda[:N] or npu[:N], got {self.device!r}")
+        if self.max_queue_size < 0 or self.num_threads < 0:
+            raise ConfigError("max_queue_size and num_threads must be >= 0")
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], **overrides) -> "EngineConfig":
+        """Build from string parameters (config.pbtxt `parameters`); unknown names are an error."""
+        known = {f.name: f for f in fields(cls) if f.name != "extra"}
+        values: dict = {}
+        for name, raw in params.items():
+            if name not in known:
+                raise ConfigError(f"unknown parameter {name!r}; known: {', '.join(sorted(known))}")
+            values[name] = _parse(name, known[name], raw)
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _parse(name: str, f: dataclasses.Field, raw):
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip()
+    try:
+        if kind == "bool":
+            lowered = text.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"parameter {name!r} must be a {kind}, got {raw!r}") from None
+    return text

@@ -1,0 +1,290 @@
+"""The engine: requests in, one scheduled forward per `step()`, new tokens and text out.
+
+Offline use: `Engine(EngineConfig(...)).generate(prompts, SamplingParams(...))`, or `stream()`.
+Serving use (one thread drives it): `add_request`, `abort`, `step` — see `engine_loop.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from . import device as devices
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .loader import load_hf_config, load_tokenizer
+from .model_files import resolve_model_dir
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import InvalidRequestError, SamplingParams
+from .scheduler import Scheduler
+from .sequence import FinishReason, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StreamState:
+    """Per-request output state that the scheduler does not need."""
+
+    detok: IncrementalDetokenizer
+    text: str = ""  # generated text so far (stop string excluded once found)
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        config = (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
+        self.config = config
+        started = time.perf_counter()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = devices.resolve_device(config.device)
+        self.dtype = devices.resolve_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model_dir(config.model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        hf_config = load_hf_config(self.model_dir)
+        self.max_model_len = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", config.max_model_len))
+        self.eos_token_ids = self._eos_ids(hf_config)
+        self.runner = ModelRunner(config, self.model_dir, self.device, self.dtype, self.max_model_len, self.eos_token_ids)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.scheduling_policy, config.kv_window,
+                                   config.kv_window_ratio, config.kv_sink_tokens)
+        self._seqs: dict[str, Sequence] = {}
+        self._streams: dict[str, _StreamState] = {}
+        self._add_lock = threading.Lock()  # add_request may be called from other threads
+        self.num_steps = 0
+        if config.warmup:
+            self.warmup()
+        self.startup_seconds = time.perf_counter() - started
+        logger.info("engine ready in %.1f s on %s (%s)", self.startup_seconds, self.device, self.dtype)
+
+    def _eos_ids(self, hf_config) -> set[int]:
+        ids: set[int] = set()
+        for source in (hf_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        try:
+            from transformers import GenerationConfig
+
+            gen_eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+            ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+        except OSError:
+            pass
+        return ids
+
+    def warmup(self) -> None:
+        """A dummy prefill at the full token budget and a decode at the full batch: first requests pay no start-up cost."""
+        started = time.perf_counter()
+        budget = min(self.config.max_num_batched_tokens, self.max_model_len)
+        self.runner.forward_dummy([budget])
+        self.runner.forward_dummy([budget // 2, budget - budget // 2])
+        self.runner.forward_dummy([1] * min(self.config.max_num_seqs, self.runner.num_blocks))
+        logger.info("warm-up took %.2f s", time.perf_counter() - started)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def make_sequence(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
+                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+                      apply_chat_template: bool = False, arrival_time: float | None = None) -> Sequence:
+        """Validate and tokenize a request (thread-safe; does not touch the schedule)."""
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequestError("the prompt is empty: text_input must be a non-empty string")
+            if apply_chat_template:
+                prompt_token_ids = list(self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                    return_dict=False))
+            else:
+                prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            prompt_token_ids = list(prompt_token_ids)
+            vocab = self.runner.model.config.vocab_size
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+                raise InvalidRequestError(f"input_ids must be integers in [0, {vocab})")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty (no tokens)")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
+                                      f"{self.max_model_len} (prompt plus at least one generated token)")
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        return Sequence(request_id, prompt_token_ids, params, arrival_time)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a validated sequence (call from the thread that runs `step`)."""
+        if seq.request_id in self._seqs:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        if self.config.max_queue_size and self.scheduler.num_waiting >= self.config.max_queue_size:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
+        self._seqs[seq.request_id] = seq
+        self._streams[seq.request_id] = _StreamState(
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens))
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt: str | None = None, params: SamplingParams | dict | None = None, **kwargs) -> str:
+        """Validate, tokenize and queue a request; returns its id. Raises InvalidRequestError on bad input."""
+        seq = self.make_sequence(prompt, params, **kwargs)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks are free before the next step. None if it is not here."""
+        seq = self._seqs.get(request_id)
+        if seq is None or not self.scheduler.abort(seq):
+            return None
+        state = self._streams[request_id]
+        return self._retire(seq, *self._new_tokens(seq, state), self._new_text(state, seq.params.stop, final=True))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    def stats(self) -> dict:
+        return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+                "preemptions": self.scheduler.num_preemptions, "kv_blocks": self.block_manager.stats(),
+                "steps": self.num_steps}
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, apply the new tokens; returns news for every request touched."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        inputs = self.runner.prepare(out.scheduled)
+        token_ids, logprobs = self.runner.execute(inputs)
+        self.scheduler.commit(out)
+        self.num_steps += 1
+        now = time.time()
+        results = []
+        for item, token_id, logprob in zip(inputs.sampled, token_ids, logprobs):
+            result = self._apply_token(item.seq, token_id, logprob, now)
+            if result is not None:
+                results.append(result)
+        return results
+
+    def _apply_token(self, seq: Sequence, token_id: int, logprob: float, now: float) -> RequestOutput | None:
+        if seq.is_finished:  # aborted while the step ran
+            return None
+        if not seq.times.first_token:
+            seq.times.first_token = now
+        seq.append_token(token_id, logprob)
+        state = self._streams[seq.request_id]
+        p = seq.params
+        reason = None
+        if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
+            if seq.num_output_tokens > p.min_tokens or not p.min_tokens:
+                reason = FinishReason.STOP
+        if reason is None:
+            state.text += state.detok.add(token_id)
+            if p.stop and seq.num_output_tokens >= p.min_tokens:
+                reason = self._check_stop_strings(state, p.stop)
+        if reason is None:
+            if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            return self._retire(seq, *self._new_tokens(seq, state), self._new_text(state, p.stop, final=True))
+        new_ids, new_lps = self._new_tokens(seq, state)
+        return RequestOutput(seq.request_id, new_ids, new_lps, self._new_text(state, p.stop, final=False), False, None,
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens)
+
+    @staticmethod
+    def _check_stop_strings(state: _StreamState, stops: list[str]) -> FinishReason | None:
+        # Only the tail can contain a stop string that was not there before this token.
+        start = max(0, len(state.text) - max(map(len, stops)) - 16)
+        found = [i for i in (state.text.find(s, start) for s in stops) if i >= 0]
+        if not found:
+            return None
+        state.text = state.text[:min(found)]
+        return FinishReason.STOP
+
+    @staticmethod
+    def _new_tokens(seq: Sequence, state: _StreamState) -> tuple[list[int], list[float]]:
+        start = state.num_emitted_tokens
+        state.num_emitted_tokens = seq.num_output_tokens
+        return seq.output_token_ids[start:], seq.output_logprobs[start:]
+
+    @staticmethod
+    def _new_text(state: _StreamState, stops: list[str], final: bool) -> str:
+        end = len(state.text)
+        if stops and not final:
+            # Hold back what could be the start of a stop string until it is decided.
+            end = max(state.num_emitted_chars, end - (max(map(len, stops)) - 1))
+        delta = state.text[state.num_emitted_chars:end]
+        state.num_emitted_chars = end
+        return delta
+
+    def _retire(self, seq: Sequence, new_ids: list[int], new_lps: list[float], new_text: str) -> RequestOutput:
+        del self._seqs[seq.request_id]
+        del self._streams[seq.request_id]
+        return RequestOutput(seq.request_id, new_ids, new_lps, new_text, True, seq.finish_reason.value,
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
+                             seq.times.as_dict())
+
+    # ---- offline API -------------------------------------------------------------------------
+    def generate(self, prompts: list[str] | str | None = None, params: SamplingParams | list | dict | None = None,
+                 prompt_token_ids: list[list[int]] | None = None, apply_chat_template: bool = False) -> list[CompletionOutput]:
+        """Run prompts to completion, all continuously batched together; results in input order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        inputs = prompt_token_ids if prompt_token_ids is not None else prompts
+        n = len(inputs)
+        params_list = params if isinstance(params, list) else [params] * n
+        ids = []
+        for i in range(n):
+            kwargs = {"prompt_token_ids": inputs[i]} if prompt_token_ids is not None else {}
+            ids.append(self.add_request(None if prompt_token_ids is not None else inputs[i], params_list[i],
+                                        apply_chat_template=apply_chat_template, **kwargs))
+        return self._collect(ids)
+
+    def _collect(self, ids: list[str]) -> list[CompletionOutput]:
+        prompts = {rid: list(self._seqs[rid].prompt_token_ids) for rid in ids}
+        acc: dict[str, CompletionOutput] = {
+            rid: CompletionOutput(rid, prompts[rid], [], [], "", None) for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                c = acc.get(out.request_id)
+                if c is None:
+                    continue
+                c.token_ids += out.new_token_ids
+                c.logprobs += out.new_logprobs
+                c.text += out.new_text
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                    c.num_cached_prompt_tokens = out.num_cached_prompt_tokens
+                    c.times = out.times
+                    pending.discard(out.request_id)
+        return [acc[rid] for rid in ids]
+
+    def stream(self, prompt: str, params: SamplingParams | dict | None = None, **kwargs) -> Iterator[RequestOutput]:
+        """Yield one request's outputs step by step (other queued requests run alongside)."""
+        rid = self.add_request(prompt, params, **kwargs)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_queue_size; the caller should retry later (UNAVAILABLE)."""

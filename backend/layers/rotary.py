@@ -1,0 +1,40 @@
+"""Rotary position embedding with the model's own theta and scaling (inv_freq from transformers)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling exactly as transformers computes them."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    return inv_freq, 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin table over all positions; applied to q and k heads in one op."""
+
+    def __init__(self, hf_config, head_dim: int, max_position: int):
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(hf_config, head_dim)
+        positions = torch.arange(max_position, dtype=torch.float)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim] -> rotated copy."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin

@@ -1,0 +1,36 @@
+"""What the engine hands back to callers after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """One request's news from one step: only what is new since the previous output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_prompt_tokens: int = 0
+    times: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when the engine failed this request (not the caller's fault)
+
+
+@dataclass
+class CompletionOutput:
+    """A whole finished request, as returned by `Engine.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None
+    num_cached_prompt_tokens: int = 0
+    times: dict[str, float] = field(default_factory=dict)

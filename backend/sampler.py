@@ -1,0 +1,68 @@
+"""The fused head: LM head, token choice and its log-prob on the device; only [batch] values leave it.
+
+Greedy rows take the argmax; rows with temperature > 0 sample (top-k / top-p applied) with the
+exponential-race trick, still on the device. The chosen ids and their log-probs travel to the host
+in one int32 [2, batch] tensor (the log-probs' float32 bits reinterpreted), i.e. one transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs for one step, prepared by the model runner (all optional)."""
+
+    temperatures: torch.Tensor | None = None  # [batch] float32; None: all greedy
+    top_k: torch.Tensor | None = None  # [batch] int64 (0 = off)
+    top_p: torch.Tensor | None = None  # [batch] float32 (1 = off)
+    generators: list | None = None  # per row: torch.Generator or None
+    banned_rows: torch.Tensor | None = None  # with banned_ids: (row, token) pairs to suppress (min_tokens)
+    banned_ids: torch.Tensor | None = None
+
+
+def choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [batch, vocab] -> int32 [2, batch]: token ids and the float32 bits of their log-probs."""
+    logits = logits.float()
+    if batch.banned_rows is not None:
+        logits[batch.banned_rows, batch.banned_ids] = float("-inf")
+    logprobs_all = None
+    max_logit, ids = logits.max(dim=-1)
+    if batch.temperatures is not None:
+        sampled = _sample(logits, batch)
+        ids = torch.where(batch.temperatures > 0, sampled, ids)
+        logprobs_all = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1)
+    else:
+        chosen = max_logit - torch.logsumexp(logits, dim=-1)
+    return torch.stack([ids.to(torch.int32), chosen.contiguous().view(torch.int32)])
+
+
+def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    temps = batch.temperatures.clamp(min=1e-5).unsqueeze(1)
+    scaled = logits / temps
+    if batch.top_k is not None and bool((batch.top_k > 0).any()):
+        k = torch.where(batch.top_k > 0, batch.top_k, logits.shape[1]).clamp(max=logits.shape[1])
+        sorted_vals = scaled.sort(dim=-1, descending=True).values
+        kth = sorted_vals.gather(1, (k - 1).unsqueeze(1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if batch.top_p is not None and bool((batch.top_p < 1).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        cumulative = sorted_probs.cumsum(dim=-1)
+        drop_sorted = (cumulative - sorted_probs) > batch.top_p.unsqueeze(1)
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    noise = torch.empty_like(probs)
+    for row, gen in enumerate(batch.generators or [None] * probs.shape[0]):
+        noise[row].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
+
+
+def unpack_tokens(packed: np.ndarray) -> tuple[list[int], list[float]]:
+    """Host side of the single transfer: int32 [2, batch] -> (ids, log-probs)."""
+    return packed[0].tolist(), packed[1].view(np.float32).tolist()

@@ -1,0 +1,81 @@
+"""Per-request generation parameters, validated once when the request arrives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+class InvalidRequestError(ValueError):
+    """The caller sent something unusable; the message says what. Other requests are unaffected."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    temperature: float = 0.0  # 0: greedy (the fused argmax head)
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    priority: int = 0  # lower runs first under scheduling_policy=priority
+    skip_special_tokens: bool = True
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        def check_int(name: str, minimum: int) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
+            if value < minimum:
+                raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
+
+        check_int("max_tokens", 1)
+        check_int("min_tokens", 0)
+        check_int("top_k", 0)
+        check_int("priority", -(2**31))
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("ignore_eos", "skip_special_tokens", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequestError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise InvalidRequestError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        for name, lo, hi in (("temperature", 0.0, 100.0), ("top_p", 1e-6, 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+                raise InvalidRequestError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        """Build from a JSON-like dict; unknown keys are an error that names them."""
+        if not isinstance(values, dict):
+            raise InvalidRequestError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        values = dict(values)
+        if isinstance(values.get("temperature"), int) and not isinstance(values.get("temperature"), bool):
+            values["temperature"] = float(values["temperature"])
+        try:
+            return cls(**values)
+        except TypeError as exc:  # pragma: no cover - defensive
+            raise InvalidRequestError(str(exc)) from None

@@ -1,0 +1,181 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+
+Every step first gives each running sequence its next token (a decode, or the next chunk of a
+prompt that did not fit earlier), then fills what is left of the token budget with prompt
+chunks of waiting sequences, in the order the policy says. Prefill and decode share one forward.
+When KV blocks run out, the most recently admitted running sequence is preempted: its blocks
+are freed and it is recomputed later (greedy output is unchanged by that).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    num_batched_tokens: int
+    num_preempted: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, policy: str = "fcfs", kv_window: int = 0, kv_window_ratio: float = 0.0,
+                 kv_sink_tokens: int = 0):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.kv_window = kv_window
+        self.kv_window_ratio = kv_window_ratio
+        self.kv_sink_tokens = kv_sink_tokens
+        self.waiting: list[tuple[tuple, Sequence]] = []  # sorted by policy key
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    # ---- queues ----------------------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple:
+        # Preempted sequences go back in front: they already hold the caller's attention.
+        first = 0 if seq.num_preemptions else 1
+        if self.policy == "priority":
+            return (first, seq.params.priority, seq.arrival_index)
+        if self.policy == "longest_output_first":
+            return (first, -seq.params.max_tokens, seq.arrival_index)
+        return (first, seq.arrival_index)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, (self._key(seq), seq), key=lambda item: item[0])
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> bool:
+        """Remove a sequence wherever it is and free its blocks. False if it was not here."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            for i, (_, s) in enumerate(self.waiting):
+                if s is seq:
+                    del self.waiting[i]
+                    break
+            else:
+                return False
+        self.block_manager.free(seq)
+        seq.finish(FinishReason.ABORT)
+        return True
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        num_preempted = 0
+
+        # 1. Running sequences: decodes and unfinished prompt chunks, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            target = seq.num_computed_tokens + num_new
+            while not bm.can_append(seq, target):
+                victim = self.running[-1]
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                bm.append_slots(seq, target)
+                self._prune_window(seq)
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq itself was preempted
+
+        # 2. Waiting sequences, in policy order, while budget, slots and blocks allow.
+        # Nothing new is admitted in a step that had to preempt: memory is short.
+        now = time.time()
+        while self.waiting and budget > 0 and not num_preempted and len(self.running) < self.max_num_seqs:
+            _, seq = self.waiting[0]
+            matched = bm.match_prefix(seq)
+            num_cached = len(matched) * bm.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not bm.can_allocate(matched, num_cached + num_new):
+                if not self.running and not scheduled:
+                    # Even an empty pool cannot take this chunk: shrink it to what fits.
+                    num_new = min(num_new, (bm.num_free_blocks - len(matched)) * bm.block_size)
+                    if num_new <= 0 or not bm.can_allocate(matched, num_cached + num_new):
+                        break
+                else:
+                    break
+            self.waiting.pop(0)
+            bm.allocate(seq, matched, num_cached + num_new)
+            seq.status = SequenceStatus.RUNNING
+            if not seq.times.scheduled:
+                seq.times.scheduled = now
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _prune_window(self, seq: Sequence) -> None:
+        """Recent-window KV pruning: free blocks that fell out of the window (sinks kept)."""
+        window = self.kv_window or int(self.kv_window_ratio * seq.num_prompt_tokens)
+        if not window:
+            return
+        bs = self.block_manager.block_size
+        keep_from = seq.num_computed_tokens - window  # first position still attended
+        first_block = -(-self.kv_sink_tokens // bs)  # sink blocks are never pruned
+        for index in range(first_block, max(keep_from, 0) // bs):
+            self.block_manager.release_block(seq, index)
+
+    # ---- after the forward -----------------------------------------------------------------
+    def commit(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counters once the step's K/V are written."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_full_blocks(item.seq)

@@ -1,0 +1,97 @@
+"""One request's state inside the engine. Token counters are the single source of truth."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # cancelled by the caller or the server
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass
+class RequestTimes:
+    """Per-request timestamps (time.time() seconds): arrival, scheduled, first token, finish."""
+
+    arrival: float = 0.0
+    scheduled: float = 0.0
+    first_token: float = 0.0
+    finished: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"arrival": self.arrival, "scheduled": self.scheduled,
+                "first_token": self.first_token, "finished": self.finished}
+
+
+class Sequence:
+    """Prompt + generated tokens, KV bookkeeping (block table, computed tokens) and stop state."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.params = params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt followed by output
+        self.output_logprobs: list[float] = []
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.arrival_index = next(_arrival_counter)
+        self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.time())
+        # KV state: tokens whose K/V are in the cache, and the blocks that hold them.
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_cached_prompt_tokens = 0  # reused from the prefix cache at admission
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # chained hashes of full blocks, for the prefix cache
+        # Output bookkeeping for streaming: how much the caller has already received.
+        self.num_emitted_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.times.finished = time.time()
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

@@ -1,0 +1,89 @@
+"""Greedy output of our engine equals Hugging Face transformers on the packaged model (float32, CPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
+from tritonllm.sampling_params import SamplingParams
+
+MAX_NEW = 24
+
+
+def _prompt_ids(tokenizer) -> list[list[int]]:
+    chat = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)) for p in CHAT_PROMPTS]
+    plain = [tokenizer.encode(p) for p in PLAIN_PROMPTS]
+    return chat + plain
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, tokenizer, engine):
+    """(prompt ids, greedy ids, their log-probs) from transformers' generate, one prompt at a time."""
+    cases = []
+    for ids in _prompt_ids(tokenizer):
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                                output_scores=True, return_dict_in_generate=True,
+                                eos_token_id=sorted(engine.eos_token_ids), pad_token_id=tokenizer.eos_token_id)
+        new = out.sequences[0, len(ids):].tolist()
+        logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, new)]
+        cases.append((ids, new, logprobs))
+    return cases
+
+
+def _assert_logprobs_close(ours: list[float], ref: list[float]) -> None:
+    # 0.5 % (the accuracy bar): relative for large magnitudes; in log space 0.005 is a 0.5 %
+    # relative difference in the token's probability.
+    for a, b in zip(ours, ref):
+        assert abs(a - b) <= 0.005 * max(1.0, abs(b)), (a, b)
+
+
+def test_sixteen_prompts_cover_long_and_short(reference):
+    lengths = [len(ids) for ids, _, _ in reference]
+    assert len(reference) >= 16 and max(lengths) > 400 and min(lengths) < 10
+
+
+def test_one_at_a_time_matches_transformers(engine, reference):
+    params = SamplingParams(max_tokens=MAX_NEW)
+    for ids, ref_ids, ref_lps in reference:
+        [out] = engine.generate(prompt_token_ids=[ids], params=params)
+        assert out.token_ids == ref_ids
+        _assert_logprobs_close(out.logprobs, ref_lps)
+
+
+def test_continuous_batch_with_staggered_arrivals_matches_transformers(engine, reference):
+    params = SamplingParams(max_tokens=MAX_NEW)
+    pending = list(enumerate(reference))
+    got: dict[str, list[int]] = {}
+    lps: dict[str, list[float]] = {}
+    index_of: dict[str, int] = {}
+    finished = set()
+    step = 0
+    while pending or len(finished) < len(reference):
+        # Three new requests join every other step, while earlier ones are mid-decode.
+        if pending and step % 2 == 0:
+            for i, (ids, _, _) in pending[:3]:
+                rid = engine.add_request(prompt_token_ids=ids, params=params)
+                index_of[rid] = i
+                got[rid], lps[rid] = [], []
+            pending = pending[3:]
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            lps[out.request_id] += out.new_logprobs
+            if out.finished:
+                finished.add(out.request_id)
+        step += 1
+        assert step < 2000
+    for rid, i in index_of.items():
+        _, ref_ids, ref_lps = reference[i]
+        assert got[rid] == ref_ids, f"prompt {i}"
+        _assert_logprobs_close(lps[rid], ref_lps)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_logprobs_are_probabilities(engine):
+    [out] = engine.generate(["Hello"], SamplingParams(max_tokens=4))
+    assert all(lp <= 0.0 and math.isfinite(lp) for lp in out.logprobs)

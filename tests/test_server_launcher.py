@@ -1,0 +1,104 @@
+"""The launcher starts a real tritonserver that serves a decoupled Python-backend model on loopback.
+
+The model here is a tiny upper-casing echo: it tests the launcher (backend directory, stub,
+environment, ports, stop), not our engine.
+"""
+
+from __future__ import annotations
+
+import queue
+import textwrap
+
+import numpy as np
+import pytest
+
+from tritonllm.server import TritonServer, build_command, find_pytriton
+
+pytestmark = pytest.mark.server
+
+CONFIG = """
+name: "echo"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] } ]
+output [ { name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] } ]
+instance_group [ { kind: KIND_CPU, count: 1 } ]
+"""
+
+MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()
+            upper = np.array([t.decode().upper().encode() for t in text.reshape(-1)], dtype=np.object_)
+            sender = request.get_response_sender()
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", upper)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("tritonclient.grpc")
+    try:
+        find_pytriton()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    repo = tmp_path_factory.mktemp("model_repository")
+    (repo / "echo" / "1").mkdir(parents=True)
+    (repo / "echo" / "config.pbtxt").write_text(textwrap.dedent(CONFIG))
+    (repo / "echo" / "1" / "model.py").write_text(textwrap.dedent(MODEL))
+    with TritonServer(repo, startup_timeout=120) as srv:
+        yield srv
+
+
+def test_build_command_binds_loopback_by_default(tmp_path):
+    cmd = build_command(tmp_path, 1, 2, 3)
+    for flag in ("--http-address", "--grpc-address", "--metrics-address"):
+        assert f"{flag}=127.0.0.1" in cmd
+    assert cmd[0].endswith("tritonserver")
+    assert build_command(tmp_path, 1, 2, 3, extra_args=["--x=1"])[-1] == "--x=1"
+
+
+def test_decoupled_echo_streams_over_grpc(server):
+    import tritonclient.grpc as grpcclient
+
+    assert server.is_model_ready("echo")
+    assert not server.is_model_ready("no_such_model")
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result=None, error=None: responses.put((result, error)))
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"hello triton"], dtype=np.object_))
+        client.async_stream_infer("echo", [text], request_id="1", enable_empty_final_response=True)
+        outputs = []
+        for _ in range(10):  # bounded: one data response, then the empty final one
+            result, error = responses.get(timeout=30)
+            assert error is None, error
+            params = result.get_response().parameters
+            if result.as_numpy("text_output") is not None:
+                outputs += [t.decode() for t in result.as_numpy("text_output")]
+            if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                break
+        else:
+            pytest.fail("no final response")
+    finally:
+        client.stop_stream()
+        client.close()
+    assert outputs == ["HELLO TRITON"]
+    assert server.metrics_url.startswith("http://127.0.0.1:")
+
+
+def test_stop_terminates_process(server):
+    # Runs last in this module: it ends the shared server.
+    assert server.process.poll() is None
+    server.stop(timeout=30)
+    assert server.process.poll() is not None
+    assert not server.is_ready()
