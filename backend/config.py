@@ -26,7 +26,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int = 0  # 0: size the pool from memory (kv_cache_memory_fraction)
     kv_cache_memory_fraction: float = 0.5
-    kv_cache_max_bytes: int = 4 << 30  # CPU cap on the pool, so one model cannot take all RAM
+    kv_cache_max_bytes: int = 2 << 30  # CPU cap on the pool, so one model cannot take all RAM
     enable_prefix_caching: bool = True
     kv_window: int = 0  # recent-window KV pruning: keep this many recent tokens (0: off)
     kv_window_ratio: float = 0.0  # ... or this fraction of the prompt (0: off)

@@ -19,7 +19,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_prompt_tokens: int = 0
     times: dict[str, float] = field(default_factory=dict)
-    error: str | None = None  # set when the engine failed this request (not the caller's fault)
+    error: str | None = None  # set when the request failed in the engine; the caller gets this message
+    error_kind: str | None = None  # "InvalidRequestError", "QueueFullError" or "EngineDeadError"
 
 
 @dataclass

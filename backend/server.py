@@ -9,9 +9,11 @@ PyTriton. This module assembles both. `TritonServer` runs the server for tests a
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import os
 import shutil
+import shlex
 import signal
 import socket
 import subprocess
@@ -40,6 +42,25 @@ def find_pytriton() -> Path:
     if not (root / "tritonserver" / "bin" / "tritonserver").is_file():
         raise FileNotFoundError(f"{root} has no tritonserver/bin/tritonserver; {_INSTALL_HINT}")
     return root
+
+
+def check_numpy() -> None:
+    """Refuse to run the stub with numpy 2, which it silently misreads.
+
+    The stubs in nvidia-pytriton 0.7.0 are built with a pybind11 that predates numpy 2's
+    changed dtype layout: every input tensor then reads as copies of its first element
+    ([1, 2, 3] arrives as [1, 1, 1]) and STRING inputs crash the stub. numpy 1.26 works.
+    """
+    try:
+        version = importlib.metadata.version("numpy")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if int(version.split(".")[0]) >= 2:
+        raise RuntimeError(
+            f"numpy {version} is installed, but the Triton Python backend stub of nvidia-pytriton "
+            "is built for numpy 1.x (inputs arrive corrupted, STRING inputs crash it): "
+            "pip install 'numpy<2'"
+        )
 
 
 def tritonserver_binary() -> Path:
@@ -136,6 +157,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pick_ports(*wanted: int | None) -> list[int]:
+    """Keep the given ports; replace each None by a free loopback port not already chosen."""
+    chosen: list[int] = []
+    for port in wanted:
+        if port is None:
+            port = free_port()
+            # Bounded: the kernel handing out a port chosen a moment ago is rare.
+            for _ in range(100):
+                if port not in chosen:
+                    break
+                port = free_port()
+        chosen.append(port)
+    return chosen
+
+
 class TritonServer:
     """A tritonserver child process on loopback, for tests and benchmarks; use as a context manager."""
 
@@ -144,17 +180,7 @@ class TritonServer:
                  log_path: str | Path | None = None, log_verbose: int = 0,
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  startup_timeout: float = 300):
-        ports: set[int] = set()
-        def pick(port: int | None) -> int:
-            # Three quick calls to free_port() could in principle return the same port.
-            for _ in range(100):
-                port = port or free_port()
-                if port not in ports:
-                    break
-                port = None
-            ports.add(port)
-            return port
-        self.http_port, self.grpc_port, self.metrics_port = pick(http_port), pick(grpc_port), pick(metrics_port)
+        self.http_port, self.grpc_port, self.metrics_port = _pick_ports(http_port, grpc_port, metrics_port)
         self.model_repository = Path(model_repository)
         self.log_path = Path(log_path) if log_path else None
         self.log_verbose, self.extra_args = log_verbose, tuple(extra_args)
@@ -199,9 +225,13 @@ class TritonServer:
         return RuntimeError(f"tritonserver {why} (log: {self.log_path}); last lines:\n{tail}")
 
     def start(self) -> "TritonServer":
-        """Launch the server and wait until it is ready; raise with the log's tail if it is not."""
+        """Launch the server and wait until it is ready; raise with the log's tail if it is not.
+
+        The log file (a temporary file unless `log_path` was given) is kept for post-mortems.
+        """
         if self.process is not None:
             raise RuntimeError("server already started")
+        check_numpy()
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
             os.close(fd)
@@ -212,15 +242,19 @@ class TritonServer:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=server_env(self.env))
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise self._failure(f"exited with code {self.process.returncode} during start-up")
-            if self.is_ready():
-                return self
-            time.sleep(0.25)
-        self.stop()
-        raise self._failure(f"was not ready after {self.startup_timeout:g} s")
+        try:
+            deadline = time.monotonic() + self.startup_timeout
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise self._failure(f"exited with code {self.process.returncode} during start-up")
+                if self.is_ready():
+                    return self
+                time.sleep(0.25)
+            raise self._failure(f"was not ready after {self.startup_timeout:g} s")
+        except BaseException:
+            # __exit__ does not run when __enter__ raises (Ctrl-C included): never leave a server behind.
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 60) -> int | None:
         """SIGTERM (the server unloads models, calling their finalize), wait, then SIGKILL.
@@ -264,6 +298,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if not Path(args.model_repository).is_dir():
         parser.error(f"model repository {args.model_repository} is not a folder")
+    try:
+        check_numpy()
+    except RuntimeError as exc:
+        parser.exit(1, f"tritonllm-serve: {exc}\n")
     if not args.no_prepare:
         # Converting the GGUF takes tens of seconds once; doing it here keeps it out of the
         # server's model-load time. A failure is reported but need not stop the server.
@@ -277,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cmd = build_command(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
                         host=args.host, backend_dir=assemble_backend_dir(),
                         log_verbose=args.log_verbose, extra_args=extra)
-    print("running:", " ".join(cmd), flush=True)
+    print("running:", shlex.join(cmd), flush=True)
     print(f"gRPC: {args.host}:{args.grpc_port}   HTTP: {args.host}:{args.http_port}   "
           f"metrics: http://{args.host}:{args.metrics_port}/metrics", flush=True)
     print(f"try:  curl -s -X POST {args.host}:{args.http_port}/v2/models/smollm2/generate_stream "

@@ -7,11 +7,14 @@ environment, ports, stop), not our engine.
 from __future__ import annotations
 
 import queue
+import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tritonllm import server as server_module
 from tritonllm.server import TritonServer, build_command, find_pytriton
 
 pytestmark = pytest.mark.server
@@ -66,6 +69,26 @@ def test_build_command_binds_loopback_by_default(tmp_path):
     assert build_command(tmp_path, 1, 2, 3, extra_args=["--x=1"])[-1] == "--x=1"
 
 
+def test_main_execs_tritonserver_with_passthrough_args(tmp_path, monkeypatch, capsys):
+    try:
+        find_pytriton()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    calls = []
+    monkeypatch.setattr(server_module, "check_numpy", lambda: None)
+    monkeypatch.setattr(server_module.os, "execvpe", lambda *a: calls.append(a))
+    monkeypatch.setenv("TRITONLLM_BACKEND_DIR", str(tmp_path / "backends"))
+    server_module.main(["--model-repository", str(tmp_path), "--no-prepare", "--http-port", "9000",
+                        "--exit-timeout-secs=5", "--", "--log-info=true"])
+    (file, cmd, env), = calls
+    assert file == cmd[0] and cmd[0].endswith("tritonserver")
+    assert "--http-port=9000" in cmd and "--http-address=127.0.0.1" in cmd
+    assert cmd[-2:] == ["--exit-timeout-secs=5", "--log-info=true"]
+    assert (tmp_path / "backends" / "python" / "triton_python_backend_stub").is_file()
+    assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+    assert "generate_stream" in capsys.readouterr().out
+
+
 def test_decoupled_echo_streams_over_grpc(server):
     import tritonclient.grpc as grpcclient
 
@@ -81,7 +104,7 @@ def test_decoupled_echo_streams_over_grpc(server):
         outputs = []
         for _ in range(10):  # bounded: one data response, then the empty final one
             result, error = responses.get(timeout=30)
-            assert error is None, error
+            assert error is None, f"stream error: {error}"
             params = result.get_response().parameters
             if result.as_numpy("text_output") is not None:
                 outputs += [t.decode() for t in result.as_numpy("text_output")]

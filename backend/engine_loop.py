@@ -1,0 +1,135 @@
+"""Drive an Engine from its own thread: callers submit and abort from any thread, outputs go to callbacks.
+
+Validation and tokenization happen in the caller's thread (bad input raises right there); the loop
+thread owns the scheduler and the device. If a step fails, every in-flight request gets an error
+output and the loop stops: nothing hangs waiting for tokens that will never come.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from .engine import Engine, QueueFullError
+from .outputs import RequestOutput
+from .sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (after an internal error or shutdown)."""
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self.error: str | None = None
+        self.on_step: Callable[[float, int], None] | None = None  # (seconds, batch size) per step, for metrics
+        self._thread = threading.Thread(target=self._run, name="tritonllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stopping.is_set()
+
+    def submit(self, callback: OutputCallback, prompt: str | None = None, params=None, **kwargs) -> str:
+        """Validate and queue a request; raises InvalidRequestError, QueueFullError or EngineDeadError."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running: {self.error or 'shut down'}")
+        limit = self.engine.config.max_queue_size
+        if limit and self.engine.scheduler.num_waiting + self._inbox.qsize() >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
+        seq = self.engine.make_sequence(prompt, params, **kwargs)
+        self._inbox.put(("add", seq, callback))
+        self._wake.set()
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+        self._wake.set()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item, callback = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add_sequence(item)
+                except (InvalidRequestError, QueueFullError) as exc:
+                    callback(_error_output(item.request_id, str(exc), kind=type(exc).__name__))
+                    continue
+                self._callbacks[item.request_id] = callback
+            else:
+                out = self.engine.abort(item)
+                if out is not None:
+                    self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        callback = self._callbacks.pop(out.request_id) if out.finished else self._callbacks.get(out.request_id)
+        if callback is None:
+            return
+        try:
+            callback(out)
+        except Exception:  # a broken caller must not stop everyone else's generation
+            logger.exception("output callback for %s failed", out.request_id)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+                    continue
+                started = time.perf_counter()
+                outputs = self.engine.step()
+                if self.on_step is not None:
+                    self.on_step(time.perf_counter() - started, len(outputs))
+                for out in outputs:
+                    self._deliver(out)
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.error("engine thread died: %s\n%s", self.error, traceback.format_exc())
+        finally:
+            self._fail_all(self.error or "the engine is shutting down")
+
+    def _fail_all(self, message: str) -> None:
+        # Requests still in the inbox or the engine get an error: nobody waits forever.
+        while True:
+            try:
+                kind, item, callback = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                callback(_error_output(item.request_id, message))
+        for request_id, callback in list(self._callbacks.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - the engine may be broken; the caller must still hear
+                pass
+            callback(_error_output(request_id, message))
+        self._callbacks.clear()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort what is in flight (callers get an error output) and stop the thread."""
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+
+def _error_output(request_id: str, message: str, kind: str = "EngineDeadError") -> RequestOutput:
+    return RequestOutput(request_id, [], [], "", True, "abort", 0, 0, error=message, error_kind=kind)
