@@ -43,6 +43,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
         self._watermark_blocks = int(watermark * num_blocks)
+        self._num_cached_free = 0  # free blocks that still hold a hashed prefix (kept incrementally)
         # Prefix-cache statistics, in tokens.
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -59,7 +60,7 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         """Free blocks that still hold a reusable prefix."""
-        return sum(1 for b in self._free if self.blocks[b].hash is not None)
+        return self._num_cached_free
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -105,6 +106,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
+                self._num_cached_free -= 1
             block.ref_count += 1
             seq.block_table.append(block_id)
         seq.num_computed_tokens = len(matched) * self.block_size
@@ -128,6 +130,7 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # evict its cached prefix
+            self._num_cached_free -= 1
             if self._hash_to_block.get(block.hash) == block_id:
                 del self._hash_to_block[block.hash]
             block.hash = None
@@ -150,6 +153,7 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
                 else:
                     self._free[block_id] = None
+                    self._num_cached_free += 1
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -197,3 +201,4 @@ class BlockManager:
             assert in_free == (block.ref_count == 0), f"block {block.block_id}: ref {block.ref_count}, free {in_free}"
         for h, block_id in self._hash_to_block.items():
             assert self.blocks[block_id].hash == h
+        assert self._num_cached_free == sum(1 for b in self._free if self.blocks[b].hash is not None)

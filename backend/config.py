@@ -35,6 +35,7 @@ class EngineConfig:
     max_queue_size: int = 0  # 0: unbounded waiting queue
     num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default)
     warmup: bool = True
+    enable_metrics: bool = True  # Triton /metrics families (serving only)
     seed: int = 0
     extra: dict = field(default_factory=dict, repr=False)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import traceback
 from collections.abc import Callable
 
@@ -36,7 +35,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self.error: str | None = None
-        self.on_step: Callable[[float, int], None] | None = None  # (seconds, batch size) per step, for metrics
+        self.stats: dict = engine.stats()  # snapshot taken by the engine thread, read by others
         self._thread = threading.Thread(target=self._run, name="tritonllm-engine", daemon=True)
         self._thread.start()
 
@@ -92,13 +91,12 @@ class EngineLoop:
             while not self._stopping.is_set():
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
+                    self.stats = self.engine.stats()
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue
-                started = time.perf_counter()
                 outputs = self.engine.step()
-                if self.on_step is not None:
-                    self.on_step(time.perf_counter() - started, len(outputs))
+                self.stats = self.engine.stats()
                 for out in outputs:
                     self._deliver(out)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request

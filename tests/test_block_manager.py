@@ -1,0 +1,129 @@
+"""Block manager invariants and the prefix cache (pure Python, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tritonllm.block_manager import BlockManager, chain_hash
+from tritonllm.sampling_params import SamplingParams
+from tritonllm.sequence import Sequence
+
+BS = 4
+
+
+def seq(tokens, rid="r") -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=4))
+
+
+def admit(bm: BlockManager, s: Sequence) -> int:
+    """Admit a whole prompt as the scheduler would; returns the number of cached tokens."""
+    matched = bm.match_prefix(s)
+    assert bm.can_allocate(matched, s.num_tokens)
+    bm.allocate(s, matched, s.num_tokens)
+    cached = s.num_computed_tokens
+    s.num_computed_tokens = s.num_tokens  # as if the step ran
+    bm.commit_full_blocks(s)
+    bm.check_invariants()
+    return cached
+
+
+def test_free_plus_used_is_total_and_nothing_leaks():
+    bm = BlockManager(16, BS)
+    seqs = [seq(range(i, i + 9), f"s{i}") for i in range(3)]
+    for s in seqs:
+        admit(bm, s)
+        assert bm.num_free_blocks + bm.num_used_blocks == 16
+    assert bm.num_used_blocks == 9  # 3 blocks each
+    for s in seqs:
+        bm.free(s)
+        bm.check_invariants()
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 16
+
+
+def test_hash_is_chained_over_parent_and_tokens():
+    a = chain_hash(None, (1, 2, 3, 4))
+    assert chain_hash(a, (5, 6, 7, 8)) != chain_hash(None, (5, 6, 7, 8))
+    assert chain_hash(a, (5, 6, 7, 8)) == chain_hash(chain_hash(None, (1, 2, 3, 4)), (5, 6, 7, 8))
+
+
+def test_prefix_hit_reuses_full_blocks_but_never_the_last_prompt_token():
+    bm = BlockManager(16, BS)
+    first = seq(range(12), "a")  # 3 full blocks
+    assert admit(bm, first) == 0
+    bm.free(first)
+    same = seq(range(12), "b")
+    # 12 tokens: the last token's block is recomputed, so 2 blocks (8 tokens) are reused.
+    assert admit(bm, same) == 8
+    longer = seq(list(range(12)) + [99, 98], "c")
+    assert admit(bm, longer) == 12
+    assert bm.prefix_hit_tokens == 20
+
+
+def test_miss_on_different_tokens_and_on_hash_collision():
+    bm = BlockManager(16, BS)
+    admit(bm, seq(range(9), "a"))
+    assert admit(bm, seq([7] + list(range(1, 9)), "b")) == 0
+    # Force a hash collision: a block registered under the right hash with other tokens is refused.
+    s = seq(range(9), "c")
+    h = chain_hash(None, (0, 1, 2, 3))
+    bid = bm._hash_to_block[h]
+    bm.blocks[bid].token_ids = (9, 9, 9, 9)
+    assert bm.match_prefix(s) == []
+
+
+def test_two_running_requests_share_a_prefix_with_reference_counts():
+    bm = BlockManager(16, BS)
+    a, b = seq(list(range(8)) + [50], "a"), seq(list(range(8)) + [60], "b")
+    admit(bm, a)
+    assert admit(bm, b) == 8
+    shared = a.block_table[:2]
+    assert b.block_table[:2] == shared
+    assert all(bm.blocks[x].ref_count == 2 for x in shared)
+    bm.free(a)
+    assert all(bm.blocks[x].ref_count == 1 for x in shared)  # still in use by b: never evicted
+    bm.check_invariants()
+    bm.free(b)
+    assert bm.num_used_blocks == 0 and bm.num_cached_blocks >= 2
+
+
+def test_lru_eviction_order_and_no_eviction_of_blocks_in_use():
+    bm = BlockManager(6, BS, watermark=0.0)
+    old, new = seq(range(100, 109), "old"), seq(range(200, 209), "new")
+    admit(bm, old)
+    bm.free(old)
+    admit(bm, new)
+    bm.free(new)
+    assert bm.num_cached_blocks == 4  # two full blocks each
+    # Needs 3 blocks: 2 plain free blocks go first, then the least recently freed cached block.
+    user = seq(range(300, 309), "user")
+    admit(bm, user)
+    assert bm.match_prefix(seq(range(200, 209))) != []  # the newer prefix survives
+    assert len(bm.match_prefix(seq(range(100, 109)))) == 1  # the older one lost its tail block first
+    held = seq(range(400, 405), "held")
+    assert bm.num_free_blocks == 3 and not bm.can_allocate([], 16)  # blocks in use are never taken
+    bm.free(user)
+    bm.check_invariants()
+
+
+def test_kv_window_release_frees_blocks_and_marks_them():
+    bm = BlockManager(8, BS)
+    s = seq(range(16), "w")
+    admit(bm, s)
+    bm.release_block(s, 1)
+    assert s.block_table[1] == -1 and bm.num_used_blocks == 3
+    bm.free(s)
+    assert bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
+def test_prefix_caching_off_caches_nothing():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    a = seq(range(9), "a")
+    admit(bm, a)
+    bm.free(a)
+    assert admit(bm, seq(range(9), "b")) == 0 and bm.num_cached_blocks == 0
+
+
+def test_zero_blocks_is_refused():
+    with pytest.raises(ValueError):
+        BlockManager(0, BS)

@@ -1,0 +1,117 @@
+"""Scheduler invariants: token budget, sequence cap, chunked prefill, preemption order, policies."""
+
+from __future__ import annotations
+
+from tritonllm.block_manager import BlockManager
+from tritonllm.sampling_params import SamplingParams
+from tritonllm.scheduler import Scheduler
+from tritonllm.sequence import FinishReason, Sequence
+
+BS = 4
+
+
+def make(num_blocks=64, max_seqs=8, budget=32, policy="fcfs", **kw) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BS, watermark=0.0), max_seqs, budget, 1024, policy, **kw)
+
+
+def seq(n, rid, max_tokens=8, priority=0) -> Sequence:
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, priority=priority))
+
+
+def run_step(s: Scheduler, token=7):
+    """Schedule, pretend the forward ran, append a token to every sequence that samples."""
+    out = s.schedule()
+    sampled = [it.seq for it in out.scheduled if it.samples]
+    s.commit(out)
+    for q in sampled:
+        q.append_token(token, 0.0)
+    return out
+
+
+def test_token_budget_and_chunked_prefill():
+    s = make(budget=10)
+    a = seq(25, "a")
+    s.add(a)
+    out = s.schedule()
+    assert [(it.seq.request_id, it.num_new_tokens, it.samples) for it in out.scheduled] == [("a", 10, False)]
+    s.commit(out)
+    out = s.schedule()
+    assert out.scheduled[0].num_new_tokens == 10 and not out.scheduled[0].samples
+    s.commit(out)
+    out = s.schedule()
+    assert out.scheduled[0].num_new_tokens == 5 and out.scheduled[0].samples
+    assert out.num_batched_tokens <= 10
+
+
+def test_decodes_first_then_prefill_fills_the_budget():
+    s = make(budget=8)
+    a = seq(4, "a")
+    s.add(a)
+    run_step(s)  # a prefilled, has sampled a token
+    b = seq(20, "b")
+    s.add(b)
+    out = s.schedule()
+    assert [(it.seq.request_id, it.num_new_tokens) for it in out.scheduled] == [("a", 1), ("b", 7)]
+
+
+def test_sequence_cap():
+    s = make(max_seqs=2, budget=100)
+    for i in range(4):
+        s.add(seq(3, f"s{i}"))
+    out = s.schedule()
+    assert len(out.scheduled) == 2 and s.num_waiting == 2
+
+
+def test_preemption_frees_the_newest_and_requeues_it_first():
+    # 6 blocks of 4 tokens; three sequences of 7 tokens take 2 blocks each; the next decode of
+    # the first one needs a third block: the most recently admitted sequence is preempted.
+    s = make(num_blocks=6, budget=100)
+    seqs = [seq(7, f"s{i}") for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    run_step(s)  # prompts computed, 8 tokens each now: all blocks used
+    assert s.block_manager.num_free_blocks == 0
+    assert run_step(s).num_preempted == 0  # position 7 still fits in each second block
+    out = run_step(s)
+    assert out.num_preempted >= 1
+    assert seqs[2] not in s.running and seqs[2].num_computed_tokens == 0 and not seqs[2].block_table
+    assert s.waiting[0][1] is seqs[2]  # back at the head of the queue
+    assert s.block_manager.num_free_blocks + s.block_manager.num_used_blocks == 6
+    s.block_manager.check_invariants()
+
+
+def test_abort_and_finish_free_everything():
+    s = make()
+    a, b, c = seq(9, "a"), seq(9, "b"), seq(9, "c")
+    for q in (a, b, c):
+        s.add(q)
+    run_step(s)
+    s.abort(a)
+    s.finish(b, FinishReason.LENGTH)
+    s.abort(c)
+    assert a.finish_reason is FinishReason.ABORT and b.finish_reason is FinishReason.LENGTH
+    assert s.block_manager.num_used_blocks == 0 and not s.has_work()
+    assert not s.abort(a)  # already gone
+
+
+def test_policies_order_the_waiting_queue():
+    for policy, expected in (("fcfs", ["a", "b", "c"]), ("priority", ["c", "a", "b"]),
+                             ("longest_output_first", ["b", "c", "a"])):
+        s = make(policy=policy, max_seqs=1)
+        s.add(seq(3, "a", max_tokens=8, priority=5))
+        s.add(seq(3, "b", max_tokens=64, priority=9))
+        s.add(seq(3, "c", max_tokens=32, priority=-1))
+        assert [q.request_id for _, q in s.waiting] == expected, policy
+
+
+def test_kv_window_keeps_memory_bounded():
+    s = make(num_blocks=64, budget=64, kv_window=8, kv_sink_tokens=4)
+    a = Sequence("a", list(range(1, 41)), SamplingParams(max_tokens=200, ignore_eos=True))
+    s.add(a)
+    run_step(s)  # the prompt's K/V are all written once; the window applies from then on
+    for _ in range(60):
+        run_step(s)
+        live = sum(1 for b in a.block_table if b >= 0)
+        assert live <= 1 + 8 // BS + 2  # sink block + window blocks + the block being written
+    s.abort(a)
+    assert s.block_manager.num_used_blocks == 0
