@@ -47,8 +47,9 @@ class ModelRunner:
         self.kv_bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * torch.tensor([], dtype=dtype).element_size()
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
         shape = (self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        # torch.empty: on CPU the pages are only touched when blocks are actually used.
-        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        # Zeroed, not empty: attention reads whole blocks, and a NaN left in memory under a masked
+        # position would still poison the weighted sum (0 * NaN).
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(m.num_layers)]
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, %d bytes/token); max concurrency at max_model_len=%d: %.1f",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,

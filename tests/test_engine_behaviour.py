@@ -1,0 +1,139 @@
+"""Engine behaviour on the real packaged model: stop conditions, abort, preemption, prefix cache, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
+from tritonllm.config import ConfigError, EngineConfig
+from tritonllm.engine import Engine
+from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+
+
+def greedy(engine, prompts, **params):
+    return engine.generate(prompts, SamplingParams(**params))
+
+
+def test_max_tokens_and_ignore_eos(engine):
+    [out] = greedy(engine, ["Hello"], max_tokens=40, ignore_eos=True)
+    assert len(out.token_ids) == 40 and out.finish_reason == "length"
+
+
+def test_eos_stops_and_min_tokens_suppresses_it(engine):
+    [free] = engine.generate([CHAT_PROMPTS[0]], SamplingParams(max_tokens=64), apply_chat_template=True)
+    assert free.finish_reason == "stop" and free.token_ids[-1] in engine.eos_token_ids
+    n = len(free.token_ids)
+    [held] = engine.generate([CHAT_PROMPTS[0]], SamplingParams(max_tokens=64, min_tokens=n + 5),
+                             apply_chat_template=True)
+    assert len(held.token_ids) >= n + 5
+    assert not set(held.token_ids[:n + 4]) & engine.eos_token_ids
+
+
+def test_stop_token_ids(engine):
+    [ref] = greedy(engine, [PLAIN_PROMPTS[0]], max_tokens=20, ignore_eos=True)
+    stop_id = ref.token_ids[5]
+    [out] = greedy(engine, [PLAIN_PROMPTS[0]], max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id])
+    first = ref.token_ids.index(stop_id)
+    assert out.token_ids == ref.token_ids[:first + 1] and out.finish_reason == "stop"
+
+
+def test_stop_string_returns_the_text_before_it(engine):
+    [ref] = greedy(engine, [PLAIN_PROMPTS[0]], max_tokens=30, ignore_eos=True)
+    words = ref.text.split()
+    stop = " " + words[4]
+    [out] = greedy(engine, [PLAIN_PROMPTS[0]], max_tokens=30, ignore_eos=True, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert out.text == ref.text[:ref.text.index(stop)]
+    assert stop not in out.text
+
+
+def test_streamed_text_pieces_join_to_the_full_text_and_never_split_characters(engine):
+    prompt = "Répète ces emojis: 🎉🚀🌍 et ces mots: ünïcödé, 東京, Ελληνικά."
+    pieces = []
+    for out in engine.stream(prompt, SamplingParams(max_tokens=40, ignore_eos=True)):
+        pieces.append(out.new_text)
+        assert "\ufffd" not in out.new_text
+    [whole] = greedy(engine, [prompt], max_tokens=40, ignore_eos=True)
+    assert "".join(pieces) == whole.text
+    # A character cut by max_tokens is incomplete: it is never sent half-way.
+    full = engine.tokenizer.decode(whole.token_ids, skip_special_tokens=True)
+    assert "\ufffd" not in whole.text and full.startswith(whole.text)
+    assert full == whole.text or full.endswith("\ufffd")
+
+
+def test_abort_frees_blocks_before_the_next_step(engine):
+    rid = engine.add_request("Tell me a long story.", SamplingParams(max_tokens=200, ignore_eos=True))
+    other = engine.add_request("Hello", SamplingParams(max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    used = engine.block_manager.num_used_blocks
+    out = engine.abort(rid)
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.block_manager.num_used_blocks < used
+    assert engine.abort(rid) is None
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0
+    assert other not in engine._seqs
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(prompt=""), "empty"),
+    (dict(prompt=LONG_TEXT * 6), "max_model_len"),
+    (dict(prompt="hi", params={"max_tokens": -3}), "max_tokens"),
+    (dict(prompt="hi", params={"max_tokens": 4, "nonsense": 1}), "nonsense"),
+    (dict(prompt="hi", params={"stop": [""]}), "stop"),
+    (dict(prompt="hi", params={"min_tokens": 9, "max_tokens": 2}), "min_tokens"),
+    (dict(prompt_token_ids=[1, -5]), "input_ids"),
+])
+def test_bad_arguments_raise_a_clear_error_and_the_engine_keeps_serving(engine, bad, message):
+    rid = engine.add_request("Hello", SamplingParams(max_tokens=3, ignore_eos=True))
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.add_request(**bad)
+    while engine.has_unfinished():
+        engine.step()
+    assert rid not in engine._seqs and engine.block_manager.num_used_blocks == 0
+
+
+def test_bad_config_names_the_parameter():
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        EngineConfig.from_parameters({"max_num_seqs": "lots"})
+    with pytest.raises(ConfigError, match="unknown parameter 'maxseqs'"):
+        EngineConfig.from_parameters({"maxseqs": "4"})
+    with pytest.raises(ConfigError, match="device"):
+        EngineConfig(device="tpu")
+
+
+def test_prefix_cache_hits_and_gives_identical_outputs(engine, model_dir):
+    system = "You are a helpful assistant. " + LONG_TEXT
+    prompts = [system + f" Question {i}: what is {i} plus {i}?" for i in range(4)]
+    params = SamplingParams(max_tokens=12)
+    hits_before = engine.block_manager.prefix_hit_tokens
+    with_cache = [o.token_ids for o in engine.generate(prompts, params)]
+    with_cache += [o.token_ids for o in engine.generate(prompts, params)]  # second round: all cached
+    assert engine.block_manager.prefix_hit_tokens - hits_before > 4 * 300
+    no_cache = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, enable_prefix_caching=False, warmup=False))
+    without = [o.token_ids for o in no_cache.generate(prompts, params)]
+    assert with_cache[:4] == without and with_cache[4:] == without
+    assert no_cache.block_manager.prefix_hit_tokens == 0
+
+
+def test_tiny_pool_preempts_and_still_gives_identical_outputs(engine, model_dir):
+    prompts = [p for p in CHAT_PROMPTS + PLAIN_PROMPTS if len(p) < 200]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    ref = [o.token_ids for o in engine.generate(prompts, params)]
+    # 40 blocks x 16 tokens = 640 token slots for 14 sequences that need ~1,200: preemption is forced.
+    tiny = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=40, max_model_len=640,
+                               enable_prefix_caching=False, warmup=False))
+    got = [o.token_ids for o in tiny.generate([p for p in prompts], params)]
+    assert tiny.scheduler.num_preemptions > 0
+    assert got == ref
+    assert tiny.block_manager.num_used_blocks == 0
+    tiny.block_manager.check_invariants()
+
+
+def test_sampling_with_a_seed_is_reproducible(engine):
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    a = greedy(engine, ["Once upon a time"], **params.__dict__)[0].token_ids
+    b = greedy(engine, ["Once upon a time"], **params.__dict__)[0].token_ids
+    assert a == b and len(a) == 16
