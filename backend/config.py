@@ -101,5 +101,6 @@ def _parse(name: str, f: dataclasses.Field, raw):
         if kind == "float":
             return float(text)
     except ValueError:
-        raise ConfigError(f"parameter {name!r} must be a {kind}, got {raw!r}") from None
+        article = {"int": "an integer", "float": "a number", "bool": "a boolean (true/false)"}[kind]
+        raise ConfigError(f"parameter {name!r} must be {article}, got {raw!r}") from None
     return text
