@@ -233,6 +233,14 @@ class Engine:
         return delta
 
     def _retire(self, seq: Sequence, new_ids: list[int], new_lps: list[float], new_text: str) -> RequestOutput:
+        if logger.isEnabledFor(logging.DEBUG):
+            t = seq.times
+            logger.debug("request %s finished (%s): prompt=%d cached=%d output=%d preemptions=%d queue=%.3fs "
+                         "ttft=%.3fs e2e=%.3fs arrival=%.6f scheduled=%.6f first_token=%.6f finished=%.6f",
+                         seq.request_id, seq.finish_reason.value, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
+                         seq.num_output_tokens, seq.num_preemptions, (t.scheduled or t.finished) - t.arrival,
+                         (t.first_token or t.finished) - t.arrival, t.finished - t.arrival, t.arrival, t.scheduled,
+                         t.first_token, t.finished)
         del self._seqs[seq.request_id]
         del self._streams[seq.request_id]
         return RequestOutput(seq.request_id, new_ids, new_lps, new_text, True, seq.finish_reason.value,
