@@ -31,8 +31,10 @@ class AttentionMetadata:
     """Everything attention needs for one step; built once by the model runner, shared by layers."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V go in the pool
-    decode: AttentionGroup | None
+    decode: list[AttentionGroup]  # decodes, split by context length so short ones are not padded to long ones
     prefill: AttentionGroup | None
+    rope_cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim]: looked up once per step, not per layer
+    rope_sin: torch.Tensor | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -49,9 +51,14 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kv_heads = k_cache.shape[2]
     per_kv = num_heads // kv_heads
     width = group.block_tables.shape[1] * k_cache.shape[1]
-    # [batch, blocks, block_size, kv_heads, d] -> [batch, kv_heads, width, d]
-    k = k_cache[group.block_tables].view(batch, width, kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[group.block_tables].view(batch, width, kv_heads, head_dim).transpose(1, 2)
+    # Gather whole blocks with index_select on a [num_blocks, block_bytes] view: a plain row copy,
+    # several times faster on CPU than advanced indexing of the 4-D pool.
+    flat_tables = group.block_tables.reshape(-1)
+    k = torch.index_select(k_cache.view(k_cache.shape[0], -1), 0, flat_tables)
+    v = torch.index_select(v_cache.view(v_cache.shape[0], -1), 0, flat_tables)
+    # -> [batch, kv_heads, width, d] (a strided view; SDPA reads it in place)
+    k = k.view(batch, width, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(batch, width, kv_heads, head_dim).transpose(1, 2)
     # [batch, max_q, kv_heads, per_kv, d] -> [batch, kv_heads, max_q * per_kv, d]
     q = q.view(batch, max_q, kv_heads, per_kv, head_dim).permute(0, 2, 1, 3, 4).reshape(
         batch, kv_heads, max_q * per_kv, head_dim)
@@ -67,8 +74,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim] (K/V already written) -> [tokens, heads, head_dim]."""
     out = torch.empty_like(q)
-    if meta.decode is not None:
-        g = meta.decode
+    for g in meta.decode:
         q_dec = q[g.token_offset:g.token_offset + g.num_tokens].unsqueeze(1)
         out[g.token_offset:g.token_offset + g.num_tokens] = _attend_group(q_dec, k_cache, v_cache, g, scale).squeeze(1)
     if meta.prefill is not None:
