@@ -36,7 +36,7 @@ logger = logging.getLogger("tritonllm")
 _INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output",
                 "apply_chat_template", "return_finish_reason", "return_num_input_tokens",
                 "return_num_output_tokens", "return_logprobs")
-_CANCEL_CHECK_S = 0.05
+_CANCEL_CHECK_S = 0.2  # is_cancelled() is a round trip to the server: a step or so is soon enough
 _METRICS_REFRESH_S = 0.5
 _ERROR_KINDS = {"InvalidRequestError": "invalid_argument", "QueueFullError": "unavailable",
                 "EngineDeadError": "unavailable"}
