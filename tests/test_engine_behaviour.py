@@ -137,3 +137,18 @@ def test_sampling_with_a_seed_is_reproducible(engine):
     a = greedy(engine, ["Once upon a time"], **params.__dict__)[0].token_ids
     b = greedy(engine, ["Once upon a time"], **params.__dict__)[0].token_ids
     assert a == b and len(a) == 16
+
+
+def test_kv_window_keeps_a_long_generation_within_the_window(model_dir):
+    windowed = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, kv_window=64, kv_sink_tokens=4,
+                                   enable_prefix_caching=False, warmup=False))
+    rid = windowed.add_request("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True))
+    seq = windowed._seqs[rid]
+    peak = 0
+    while windowed.has_unfinished():
+        windowed.step()
+        if not seq.is_finished:
+            peak = max(peak, windowed.block_manager.num_used_blocks)
+    # sink block + 64-token window (4 blocks) + the block being written, whatever the length.
+    assert peak <= 1 + 64 // 16 + 1
+    assert seq.num_output_tokens == 200 and windowed.block_manager.num_used_blocks == 0
