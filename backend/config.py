@@ -36,6 +36,7 @@ class EngineConfig:
     num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default)
     warmup: bool = True
     enable_metrics: bool = True  # Triton /metrics families (serving only)
+    log_level: str = "info"  # debug adds one line per finished request with its timestamps
     seed: int = 0
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -59,6 +60,8 @@ class EngineConfig:
             raise ConfigError(f"kv_window must be at least 2 * block_size ({2 * self.block_size})")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         dev = self.device.split(":")[0]

@@ -53,6 +53,8 @@ class EngineMetrics:
         self.blocks = {s: blocks.Metric(labels={**labels, "state": s}) for s in ("used", "cached", "free", "total")}
         self.hit_rate = family("llm_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens",
                                F.GAUGE).Metric(labels=labels)
+        self.alive = family("llm_engine_alive", "1 while the engine thread serves; 0 after it died or stopped",
+                            F.GAUGE).Metric(labels=labels)
         self._preemptions_seen = 0
 
     def record_finished(self, out) -> None:
@@ -75,8 +77,9 @@ class EngineMetrics:
     def record_error(self, kind: str) -> None:
         self.errors[kind].increment(1)
 
-    def refresh(self, stats: dict) -> None:
+    def refresh(self, stats: dict, alive: bool) -> None:
         """Gauges from the engine's latest stats snapshot."""
+        self.alive.set(1 if alive else 0)
         self.requests["running"].set(stats["running"])
         self.requests["waiting"].set(stats["waiting"])
         kv = stats["kv_blocks"]

@@ -96,6 +96,7 @@ class TritonPythonModel:
             config = engine_config_from_triton(args, self.model_config)
         except ConfigError as exc:
             raise pb_utils.TritonModelException(f"invalid config.pbtxt parameter: {exc}") from None
+        logging.getLogger("tritonllm").setLevel(config.log_level.upper())
         self.model_name = args.get("model_name", "model")
         started = time.perf_counter()
         self.engine = Engine(config)
@@ -167,7 +168,7 @@ class TritonPythonModel:
             if self.metrics is not None and now - last_refresh >= _METRICS_REFRESH_S:
                 last_refresh = now
                 try:
-                    self.metrics.refresh(self.loop.stats)
+                    self.metrics.refresh(self.loop.stats, self.loop.alive)
                 except Exception:  # noqa: BLE001 - metrics must never stop the responses
                     logger.exception("refreshing metrics failed")
 
