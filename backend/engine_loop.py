@@ -34,6 +34,10 @@ class EngineLoop:
         self._callbacks: dict[str, OutputCallback] = {}
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        # Held while a request enters the inbox and while the dying loop closes it, so that no
+        # request lands in the inbox after the last drain (it would wait forever).
+        self._inbox_lock = threading.Lock()
+        self._closed = False
         self.error: str | None = None
         self.stats: dict = engine.stats()  # snapshot taken by the engine thread, read by others
         self._thread = threading.Thread(target=self._run, name="tritonllm-engine", daemon=True)
@@ -51,7 +55,10 @@ class EngineLoop:
         if limit and self.engine.scheduler.num_waiting + self._inbox.qsize() >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
         seq = self.engine.make_sequence(prompt, params, **kwargs)
-        self._inbox.put(("add", seq, callback))
+        with self._inbox_lock:
+            if self._closed:  # the loop died or stopped while this request was being tokenized
+                raise EngineDeadError(f"the engine is not running: {self.error or 'shut down'}")
+            self._inbox.put(("add", seq, callback))
         self._wake.set()
         return seq.request_id
 
@@ -107,6 +114,8 @@ class EngineLoop:
 
     def _fail_all(self, message: str) -> None:
         # Requests still in the inbox or the engine get an error: nobody waits forever.
+        with self._inbox_lock:
+            self._closed = True  # from here on submit() raises instead of queueing
         while True:
             try:
                 kind, item, callback = self._inbox.get_nowait()

@@ -185,7 +185,8 @@ class ModelRunner:
         if any(not it.seq.params.greedy for it in sampled):
             ps = [it.seq.params for it in sampled]
             batch.temperatures = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=self.device)
-            batch.top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=self.device)
+            vocab = self.model.config.vocab_size  # a top_k beyond the vocabulary means no limit
+            batch.top_k = torch.tensor([min(p.top_k, vocab) for p in ps], dtype=torch.int64, device=self.device)
             batch.top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=self.device)
             batch.generators = [self._generator(it) for it in sampled]
         return batch
@@ -196,7 +197,7 @@ class ModelRunner:
             return None
         # Seeded per (seed, position): a preempted and recomputed request samples the same tokens.
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed * 1_000_003 + item.seq.num_tokens)
+        gen.manual_seed((seed * 1_000_003 + item.seq.num_tokens) % 2**64)  # any Python int seed
         return gen
 
     # ---- execution ---------------------------------------------------------------------------

@@ -161,6 +161,7 @@ class TritonPythonModel:
                 except Exception:  # noqa: BLE001 - keep serving the other streams
                     logger.exception("sending a response for %s failed", active.request_id)
                     self._active.pop(active.request_id, None)
+                    self.loop.abort(active.request_id)  # nobody can receive its tokens any more
             now = time.monotonic()
             if now - last_cancel_check >= _CANCEL_CHECK_S:
                 last_cancel_check = now

@@ -55,3 +55,72 @@ def triton_server(model_dir, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def minilm_server(tmp_path_factory):
+    """A real tritonserver on random loopback ports serving model_repository/minilm only."""
+    from tritonllm.server import TritonServer
+
+    log = tmp_path_factory.mktemp("triton-minilm") / "tritonserver.log"
+    server = TritonServer(REPO / "model_repository", log_path=log,
+                          extra_args=["--model-control-mode=explicit", "--load-model=minilm"])
+    server.start()
+    yield server
+    server.stop()
+
+
+def write_variant_repo(dest: Path, **params) -> Path:
+    """A model repository holding a copy of model_repository/smollm2 with some config.pbtxt parameters set.
+
+    Parameters already in config.pbtxt get the new value; others are added.
+    """
+    import re
+    import shutil
+
+    shutil.copytree(REPO / "model_repository" / "smollm2", dest / "smollm2",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    config = dest / "smollm2" / "config.pbtxt"
+    text = config.read_text()
+    for key, value in params.items():
+        line = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}'
+        text, found = re.subn(rf'^parameters: \{{ key: "{re.escape(key)}".*$', line, text, flags=re.M)
+        if not found:
+            text += line + "\n"
+    config.write_text(text)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def variant_server(tmp_path_factory):
+    """Factory for tritonservers whose smollm2 has other config.pbtxt parameters: start(name, **params).
+
+    One variant runs at a time: asking for another stops the one running first; asking again for
+    the same one returns it. The last is stopped when the module ends. Explicit model control,
+    so tests may unload and load the model.
+    """
+    from tritonllm.server import TritonServer
+
+    current: dict = {}
+
+    def stop() -> None:
+        server = current.pop("server", None)
+        current.pop("key", None)
+        if server is not None:
+            server.stop()
+
+    def start(name: str, **params) -> TritonServer:
+        key = (name, tuple(sorted(params.items())))
+        if current.get("key") == key:
+            return current["server"]
+        stop()
+        root = tmp_path_factory.mktemp(f"variant-{name}")
+        repo = write_variant_repo(root / "repo", **params)
+        server = TritonServer(repo, log_path=root / "tritonserver.log",
+                              extra_args=["--model-control-mode=explicit", "--load-model=smollm2"])
+        server.start()
+        current.update(key=key, server=server)
+        return server
+
+    yield start
+    stop()

@@ -152,3 +152,12 @@ def test_kv_window_keeps_a_long_generation_within_the_window(model_dir):
     # sink block + 64-token window (4 blocks) + the block being written, whatever the length.
     assert peak <= 1 + 64 // 16 + 1
     assert seq.num_output_tokens == 200 and windowed.block_manager.num_used_blocks == 0
+
+
+def test_extreme_but_valid_sampling_values_do_not_break_a_step(engine):
+    # Found by fuzzing through Triton: these once raised inside a step and stopped the engine.
+    params = SamplingParams(max_tokens=4, temperature=0.7, seed=10**30, top_k=2**70, ignore_eos=True)
+    [out] = engine.generate(["Hello"], params)
+    assert len(out.token_ids) == 4
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        engine.add_request("Hello", SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**9]))
