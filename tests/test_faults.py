@@ -119,7 +119,7 @@ class Probe:
         with self._lock:
             self.cancelled = not self.terminals
             self._closing = True
-        self.client.stop_stream(cancel_requests=True)
+        _bounded(lambda: self.client.stop_stream(cancel_requests=True))
 
     def close(self) -> None:
         """Half-close the stream once the request is over (cancel it if it is not).
@@ -133,8 +133,20 @@ class Probe:
                 return
             self._closing = self._closed = True
             graceful = bool(self.terminals)
-        self.client.stop_stream(cancel_requests=not graceful)
-        self.client.close()
+        _bounded(lambda: (self.client.stop_stream(cancel_requests=not graceful), self.client.close()))
+
+
+def _bounded(call, timeout: float = 15.0) -> None:
+    """Run a client-side close with a time limit.
+
+    tritonclient's stop_stream joins its stream thread and has no timeout of its own; in a long
+    test session it was seen to wait forever on a stream the server had already finished. What
+    these tests judge is the server side (responses received, metrics back to idle), so a stuck
+    client-side close is left to its daemon thread instead of hanging the suite.
+    """
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(timeout)
 
 
 def wait_all(probes: list[Probe], timeout: float = 120.0) -> None:

@@ -1,0 +1,63 @@
+"""Our system under test: a real tritonserver serving a copy of model_repository/smollm2.
+
+The copy lets the benchmark set config.pbtxt parameters (the torch thread count, and any
+`--ours-param key=value` such as scheduling_policy) without touching the repository. The replay
+is client/bench.py's `run_bench`, exactly what `tritonllm-client bench` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Iterator
+
+from tritonllm.server import TritonServer
+from tritonllm_client.stream import GenerationParams, StreamingClient
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_NAME = "smollm2"
+
+
+def set_parameter(config_text: str, key: str, value: str) -> str:
+    """Set one `parameters: { key: ..., value: { string_value: ... } }` entry, adding it if absent."""
+    pattern = re.compile(r'parameters:\s*\{\s*key:\s*"' + re.escape(key) + r'"\s*,?\s*value:\s*\{\s*string_value:\s*"[^"]*"\s*\}\s*\}')
+    entry = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}'
+    if pattern.search(config_text):
+        return pattern.sub(lambda _: entry, config_text, count=1)
+    return config_text.rstrip("\n") + "\n" + entry + "\n"
+
+
+def prepare_repository(dest: Path, params: dict[str, str]) -> Path:
+    """Copy model_repository/smollm2 into `dest` with `params` set in its config.pbtxt; returns `dest`."""
+    if (dest / MODEL_NAME).exists():
+        shutil.rmtree(dest / MODEL_NAME)
+    shutil.copytree(REPO / "model_repository" / MODEL_NAME, dest / MODEL_NAME,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    config = dest / MODEL_NAME / "config.pbtxt"
+    text = config.read_text()
+    for key, value in params.items():
+        text = set_parameter(text, key, value)
+    config.write_text(text)
+    return dest
+
+
+@contextlib.contextmanager
+def our_server(work_dir: Path, params: dict[str, str], startup_timeout_s: float = 600.0) -> Iterator[tuple[TritonServer, float]]:
+    """Start tritonserver on free loopback ports; yields (server, start-to-ready seconds).
+
+    Start to ready = from launching the process to the first request answered (one token),
+    with the default model already prepared (converted to safetensors) beforehand.
+    """
+    repo = prepare_repository(work_dir / "model_repository", params)
+    server = TritonServer(repo, log_path=work_dir / "tritonserver.log", startup_timeout=startup_timeout_s,
+                          extra_args=["--model-control-mode=explicit", f"--load-model={MODEL_NAME}"])
+    started = time.perf_counter()
+    with server:
+        with StreamingClient(server.grpc_url, MODEL_NAME) as client:
+            first = client.generate("Hello!", GenerationParams(max_tokens=1), timeout_s=120)
+        if not first.ok:
+            raise RuntimeError(f"first request failed: {first.error}")
+        yield server, time.perf_counter() - started

@@ -1,0 +1,145 @@
+"""The peers we measure against, each as its own server process on loopback: vLLM CPU and llama.cpp.
+
+Both speak the OpenAI completions API, so one replay client (openai_stream.py) drives both. They
+are optional: vLLM CPU lives in its own virtual environment (its pins clash with ours), given by
+`--vllm-python`; llama.cpp's native `llama-server` binary is given by `--llama-server` or found on
+PATH. When missing, the comparison says "skipped (not installed)". See docs/PERFORMANCE.md for
+how to install them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+SERVED_MODEL_NAME = "smollm2"
+
+
+@dataclass
+class PeerSpec:
+    """How to start one peer server; `available` is False with `why` when it cannot run here."""
+
+    name: str
+    description: str
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 600.0
+    available: bool = True
+    why: str = ""
+
+
+class PeerServer:
+    """A peer server as a child process in its own session, so its worker processes stop with it."""
+
+    def __init__(self, spec: PeerSpec, port: int, log_path: Path):
+        self.spec, self.port, self.log_path = spec, port, Path(log_path)
+        self.process: Optional[subprocess.Popen] = None
+        self.started_at: Optional[float] = None
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.is_file():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def start(self) -> "PeerServer":
+        """Launch and wait for /health (200 once the model is loaded); raise with the log's tail."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.spec.env}
+        self.started_at = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.spec.command, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.spec.name} exited with code {self.process.returncode} during "
+                                       f"start-up (log {self.log_path}):\n{self.log_tail()}")
+                if self._healthy():
+                    return self
+                time.sleep(0.5)
+            raise RuntimeError(f"{self.spec.name} not ready after {self.spec.startup_timeout_s:g} s "
+                               f"(log {self.log_path}):\n{self.log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the child's process group (the child and the workers it spawned), then SIGKILL."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.process.pid, sig)  # the group this child leads (start_new_session)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> "PeerServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def vllm_spec(python: Optional[str], model_dir: Path, port: int, threads: int, max_num_seqs: int,
+              max_model_len: int) -> PeerSpec:
+    """vLLM CPU's OpenAI server on our safetensors folder, fp32, at most `max_num_seqs` sequences."""
+    desc = f"vLLM CPU, OpenAI server, fp32, max_num_seqs={max_num_seqs}"
+    python = python or os.environ.get("TRITONLLM_VLLM_PYTHON")
+    if not python:
+        return PeerSpec("vllm", desc, available=False, why="skipped (not installed): give --vllm-python")
+    if not Path(python).is_file():
+        return PeerSpec("vllm", desc, available=False, why=f"skipped (not installed): {python} does not exist")
+    try:  # importing vllm takes a while; a broken install should say so here, not after minutes
+        probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                               text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return PeerSpec("vllm", desc, available=False, why="skipped: `import vllm` took over 300 s")
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return PeerSpec("vllm", desc, available=False, why=f"skipped (not installed): import vllm failed: {last}")
+    version = probe.stdout.strip()
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}  # GiB of KV cache
+    if threads < (os.cpu_count() or threads):  # pin its OpenMP threads to as many cores as ours use
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", SERVED_MODEL_NAME, "--dtype", "float32",
+               "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
+               "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+    return PeerSpec("vllm", f"vLLM CPU {version}, OpenAI server, fp32, max_num_seqs={max_num_seqs}",
+                    command, env, startup_timeout_s=900.0)
+
+
+def llama_spec(binary: Optional[str], gguf: Path, port: int, threads: int, slots: int, ctx_per_slot: int) -> PeerSpec:
+    """llama.cpp's native `llama-server` on the packaged GGUF with `slots` parallel sequences."""
+    name = f"llamacpp-{slots}"
+    desc = f"llama.cpp llama-server, {gguf.name} (4-bit weights), {slots} slots"
+    binary = binary or shutil.which("llama-server")
+    if not binary or not Path(binary).is_file():
+        return PeerSpec(name, desc, available=False,
+                        why="skipped (not installed): give --llama-server or put llama-server on PATH")
+    command = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-a", SERVED_MODEL_NAME,
+               "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+               # the context is shared by the slots: each needs its longest prompt plus output
+               "-c", str(slots * ctx_per_slot), "--seed", "0"]
+    return PeerSpec(name, desc, command, startup_timeout_s=300.0)
