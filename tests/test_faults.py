@@ -139,10 +139,9 @@ class Probe:
 def _bounded(call, timeout: float = 15.0) -> None:
     """Run a client-side close with a time limit.
 
-    tritonclient's stop_stream joins its stream thread and has no timeout of its own; in a long
-    test session it was seen to wait forever on a stream the server had already finished. What
-    these tests judge is the server side (responses received, metrics back to idle), so a stuck
-    client-side close is left to its daemon thread instead of hanging the suite.
+    tritonclient's stop_stream joins its stream thread and has no timeout of its own. What these
+    tests judge is the server side (responses received, metrics back to idle), so a client-side
+    close that got stuck would be left to its daemon thread instead of hanging the suite.
     """
     worker = threading.Thread(target=call, daemon=True)
     worker.start()
