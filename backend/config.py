@@ -78,6 +78,24 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+def config_from_triton(cls, args: dict, model_config: dict):
+    """config.pbtxt `parameters` plus the instance kind / device id -> a config of class `cls`.
+
+    KIND_GPU pins the CUDA device Triton gave this instance; KIND_CPU forces the CPU;
+    KIND_MODEL leaves the `device` parameter in charge (the way to pick an Ascend NPU).
+    """
+    params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+    config = cls.from_parameters(params)
+    kind = args.get("model_instance_kind", "")
+    if kind == "GPU" and config.device in ("auto", "cuda"):
+        config = config.replace(device=f"cuda:{args.get('model_instance_device_id', '0')}")
+    elif kind == "CPU":
+        if config.device not in ("auto", "cpu"):
+            raise ConfigError(f"parameter 'device' is {config.device!r} but instance_group kind is KIND_CPU")
+        config = config.replace(device="cpu")
+    return config
+
+
 def parse_parameters(cls, params: dict[str, str]) -> dict:
     """Typed values for the dataclass `cls` from string parameters; names an unknown or bad one."""
     known = {f.name: f for f in fields(cls)}

@@ -29,7 +29,7 @@ try:
 except ImportError:  # outside tritonserver (docs, tests of the parsing): the module only exists in the stub
     pb_utils = None
 
-from .config import ConfigError
+from .config import ConfigError, config_from_triton
 from .embedding_config import EmbeddingConfig
 from .embedding_engine import EmbeddingEngine
 from .embedding_request import EmbeddingOutput
@@ -45,16 +45,7 @@ _ERROR_KINDS = {"InvalidRequestError": "invalid_argument", "QueueFullError": "un
 
 def embedding_config_from_triton(args: dict, model_config: dict) -> EmbeddingConfig:
     """config.pbtxt `parameters` plus the instance kind/device id -> EmbeddingConfig."""
-    params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
-    config = EmbeddingConfig.from_parameters(params)
-    kind = args.get("model_instance_kind", "")
-    if kind == "GPU" and config.device in ("auto", "cuda"):
-        config = config.replace(device=f"cuda:{args.get('model_instance_device_id', '0')}")
-    elif kind == "CPU":
-        if config.device not in ("auto", "cpu"):
-            raise ConfigError(f"parameter 'device' is {config.device!r} but instance_group kind is KIND_CPU")
-        config = config.replace(device="cpu")
-    return config
+    return config_from_triton(EmbeddingConfig, args, model_config)
 
 
 def parse_embedding_request(inputs: dict[str, np.ndarray], parameters_json: str | None) -> tuple[list[str], bool | None]:

@@ -23,7 +23,7 @@ try:
 except ImportError:  # outside tritonserver (docs, linters): the module only exists in the stub
     pb_utils = None
 
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, config_from_triton
 from .engine import Engine, QueueFullError
 from .engine_loop import EngineDeadError, EngineLoop
 from .outputs import RequestOutput
@@ -44,17 +44,7 @@ _ERROR_KINDS = {"InvalidRequestError": "invalid_argument", "QueueFullError": "un
 
 def engine_config_from_triton(args: dict, model_config: dict) -> EngineConfig:
     """config.pbtxt `parameters` plus the instance kind/device id -> EngineConfig."""
-    params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
-    config = EngineConfig.from_parameters(params)
-    kind = args.get("model_instance_kind", "")
-    device_id = args.get("model_instance_device_id", "0")
-    if kind == "GPU" and config.device in ("auto", "cuda"):
-        config = config.replace(device=f"cuda:{device_id}")
-    elif kind == "CPU":
-        if config.device not in ("auto", "cpu"):
-            raise ConfigError(f"parameter 'device' is {config.device!r} but instance_group kind is KIND_CPU")
-        config = config.replace(device="cpu")
-    return config
+    return config_from_triton(EngineConfig, args, model_config)
 
 
 _PARAMETERS_SUPPORTED: list[bool] = []
