@@ -33,7 +33,8 @@ class EngineConfig:
     kv_sink_tokens: int = 4
     scheduling_policy: str = "fcfs"
     max_queue_size: int = 0  # 0: unbounded waiting queue
-    num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default)
+    num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default; per rank with tensor parallelism)
+    tensor_parallel_size: int = 1  # ranks the model is split across (one process each; see tp_workers.py)
     warmup: bool = True
     enable_metrics: bool = True  # Triton /metrics families (serving only)
     log_level: str = "info"  # debug adds one line per finished request with its timestamps
@@ -47,7 +48,7 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tensor_parallel_size"):
             positive(name)
         if self.num_kv_blocks < 0:
             raise ConfigError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")

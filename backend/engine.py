@@ -160,6 +160,15 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self._seqs)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer run (a tensor-parallel worker died), or None while healthy."""
+        return self.runner.failure
+
+    def close(self) -> None:
+        """Release what outlives the object: tensor-parallel worker processes and the process group."""
+        self.runner.close()
+
     def stats(self) -> dict:
         return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
                 "preemptions": self.scheduler.num_preemptions, "kv_blocks": self.block_manager.stats(),

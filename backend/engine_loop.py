@@ -45,7 +45,8 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None and not self._stopping.is_set()
+        return (self._thread.is_alive() and self.error is None and not self._stopping.is_set()
+                and self.engine.failure is None)
 
     def submit(self, callback: OutputCallback, prompt: str | None = None, params=None, **kwargs) -> str:
         """Validate and queue a request; raises InvalidRequestError, QueueFullError or EngineDeadError."""
@@ -96,6 +97,8 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
+                if self.engine.failure:  # e.g. a tensor-parallel worker died while we were idle
+                    raise RuntimeError(self.engine.failure)
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
                     self.stats = self.engine.stats()
@@ -132,10 +135,11 @@ class EngineLoop:
         self._callbacks.clear()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Abort what is in flight (callers get an error output) and stop the thread."""
+        """Abort what is in flight (callers get an error output), stop the thread, release the engine."""
         self._stopping.set()
         self._wake.set()
         self._thread.join(timeout_s)
+        self.engine.close()
 
 
 def _error_output(request_id: str, message: str, kind: str = "EngineDeadError") -> RequestOutput:

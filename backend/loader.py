@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .models.llama import LlamaForCausalLM
+from .tensor_parallel import SINGLE, TPShard
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,18 @@ class _SafetensorsIndex:
             raise KeyError(f"weight {name!r} not found in the checkpoint")
         return self._where[name].get_tensor(name)
 
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) only: a tensor-parallel rank reads just its shard from disk."""
+        return self._slice(name)[start:end]
+
+    def cols(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self._slice(name)[:, start:end]
+
+    def _slice(self, name: str):
+        if name not in self._where:
+            raise KeyError(f"weight {name!r} not found in the checkpoint")
+        return self._where[name].get_slice(name)
+
 
 def load_hf_config(folder: Path):
     from transformers import AutoConfig
@@ -36,9 +49,10 @@ def load_hf_config(folder: Path):
     return AutoConfig.from_pretrained(folder, trust_remote_code=False)
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_position: int) -> LlamaForCausalLM:
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_position: int,
+               tp: TPShard = SINGLE) -> LlamaForCausalLM:
     cfg = load_hf_config(folder)
-    model = LlamaForCausalLM(cfg, max_position)
+    model = LlamaForCausalLM(cfg, max_position, tp)
     model.load_hf_state_dict(_SafetensorsIndex(folder))
     # The rotary cos/sin tables stay float32 (cast per use) for accuracy in half precision.
     cos, sin = model.rotary.cos, model.rotary.sin

@@ -1,8 +1,13 @@
-"""The only code that touches the device: KV pool, step inputs, forward, fused head, warm-up."""
+"""The only code that touches the device: KV pool, step inputs, forward, fused head, warm-up.
+
+With tensor_parallel_size > 1 this process is rank 0: it runs its own shard and sends each step's
+host inputs to the worker ranks (tp_workers.py) before running it.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,22 +17,33 @@ import torch
 
 from . import device as devices
 from .config import EngineConfig
-from .layers.attention import AttentionGroup, AttentionMetadata
-from .loader import load_model
+from .loader import load_hf_config, load_model
 from .sampler import SamplingBatch, choose_tokens, unpack_tokens
 from .scheduler import ScheduledSeq
+from .step_inputs import DeviceStep, HostStep, build_host_step, to_device
+from .tensor_parallel import TPShard, check_shardable, rank_device
+from .tp_workers import TensorParallelError, TensorParallelWorkers, WorkerSpec, make_store, new_process_group
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_rows: torch.Tensor  # flat token rows whose next token is chosen this step
+    host: HostStep  # what tensor-parallel workers receive
+    device: DeviceStep
     sampled: list[ScheduledSeq]  # in the order of logits_rows
     sampling: SamplingBatch
+
+
+def allocate_kv_pool(model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    """Per layer (K, V), each [num_blocks, block_size, kv_heads on this rank, head_dim].
+
+    Zeroed, not empty: attention reads whole blocks, and a NaN left in memory under a masked
+    position would still poison the weighted sum (0 * NaN).
+    """
+    shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model.num_layers)]
 
 
 class ModelRunner:
@@ -39,33 +55,76 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = sorted(eos_token_ids)
+        self.tp_size = config.tensor_parallel_size
+        self.workers: TensorParallelWorkers | None = None
         devices.set_device(device)
         started = time.perf_counter()
-        self.model = load_model(model_dir, dtype, device, max_position=max_model_len)
-        logger.info("loaded %s (%s, %s) in %.1f s", model_dir, device, dtype, time.perf_counter() - started)
-        m = self.model
-        self.kv_bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * torch.tensor([], dtype=dtype).element_size()
-        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
-        shape = (self.num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        # Zeroed, not empty: attention reads whole blocks, and a NaN left in memory under a masked
-        # position would still poison the weighted sum (0 * NaN).
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(m.num_layers)]
-        logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, %d bytes/token); max concurrency at max_model_len=%d: %.1f",
-                    self.num_blocks, self.block_size, self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,
+        self.tp = TPShard(0, self.tp_size)
+        if self.tp_size > 1:
+            check_shardable(load_hf_config(model_dir).num_key_value_heads, self.tp_size)
+            if device.type == "cpu":  # the ranks share this machine's cores
+                torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size))
+            self.workers = TensorParallelWorkers([self._worker_spec(model_dir, rank) for rank in range(1, self.tp_size)])
+        try:
+            self.model = load_model(model_dir, dtype, device, max_position=max_model_len, tp=self.tp)
+            logger.info("loaded %s (%s, %s, tensor-parallel rank 0 of %d) in %.1f s", model_dir, device, dtype,
+                        self.tp_size, time.perf_counter() - started)
+            m = self.model
+            self.kv_bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * torch.tensor([], dtype=dtype).element_size()
+            self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
+            if self.workers is not None:
+                self._connect_workers()
+        except BaseException:
+            self.close()
+            raise
+        self.kv_caches = allocate_kv_pool(m, self.num_blocks, self.block_size, dtype, device)
+        logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, %d bytes/token on this rank); max concurrency at "
+                    "max_model_len=%d: %.1f", self.num_blocks, self.block_size,
+                    self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,
                     self.kv_bytes_per_token, max_model_len, self.num_blocks * self.block_size / max_model_len)
+
+    # ---- tensor parallelism ------------------------------------------------------------------
+    def _worker_spec(self, model_dir: Path, rank: int) -> WorkerSpec:
+        threads = 0
+        if self.device.type == "cpu":
+            threads = self.config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size)
+        return WorkerSpec(model_dir=str(model_dir), dtype=str(self.dtype).removeprefix("torch."),
+                          device=str(rank_device(self.device, rank)), max_model_len=self.max_model_len,
+                          rank=rank, world_size=self.tp_size, num_threads=threads, block_size=self.block_size)
+
+    def _connect_workers(self) -> None:
+        self.workers.wait_loaded()
+        store = make_store(0, self.tp_size, is_master=True)
+        self.workers.connect(store.port, self.num_blocks)
+        self.tp.group = new_process_group(self.device, 0, self.tp_size, store)
+        self._store = store  # the rendezvous store lives as long as the group
+
+    @property
+    def failure(self) -> str | None:
+        """Why the model can no longer run (a tensor-parallel worker died), or None."""
+        return self.workers.failure if self.workers is not None else None
+
+    def close(self) -> None:
+        """Stop tensor-parallel workers and leave the process group (nothing to do on one rank)."""
+        if self.workers is None:
+            return
+        self.workers.close()
+        self.workers = None
+        self.tp.group = None
 
     def _blocks_from_memory(self) -> int:
         free = devices.free_memory_bytes(self.device)
         budget = int(free * self.config.kv_cache_memory_fraction)
+        bytes_per_token = self.kv_bytes_per_token
         if self.device.type == "cpu":
             budget = min(budget, self.config.kv_cache_max_bytes)
+            bytes_per_token *= self.tp_size  # every rank's pool lives in the same host memory
         # Reserve room for the largest step's activations: hidden-sized buffers per batched
         # token, and float32 logits (plus softmax temporaries) per sampled sequence.
         cfg = self.model.config
         budget -= self.config.max_num_batched_tokens * 16 * (cfg.hidden_size + cfg.intermediate_size) * 4
         budget -= self.config.max_num_seqs * cfg.vocab_size * 4 * 3
-        blocks = budget // (self.block_size * self.kv_bytes_per_token)
+        blocks = budget // (self.block_size * bytes_per_token)
         need = -(-self.max_model_len // self.block_size)
         if blocks < need:
             raise RuntimeError(f"not enough memory for one sequence of max_model_len={self.max_model_len}: "
@@ -74,100 +133,11 @@ class ModelRunner:
 
     # ---- inputs ------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        bs = self.block_size
-        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        logits_rows: list[int] = []
-        sampled: list[ScheduledSeq] = []
-        for item in decodes + prefills:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            pos = np.arange(start, start + n)
-            table = np.asarray(seq.block_table)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            if item.samples:
-                logits_rows.append(len(input_ids) - 1)
-                sampled.append(item)
-        to = self._to_device
-        meta = AttentionMetadata(
-            slot_mapping=to(np.concatenate(slots)),
-            decode=[self._group(part, offset) for part, offset in self._split_by_length(decodes)],
-            prefill=self._group(prefills, len(decodes)) if prefills else None,
-        )
-        return StepInputs(
-            input_ids=to(np.asarray(input_ids, dtype=np.int64)),
-            positions=to(np.concatenate(positions)),
-            meta=meta,
-            logits_rows=to(np.asarray(logits_rows, dtype=np.int64)),
-            sampled=sampled,
-            sampling=self._sampling_batch(sampled),
-        )
-
-    def _split_by_length(self, decodes: list[ScheduledSeq]) -> list[tuple[list[ScheduledSeq], int]]:
-        """Cut the length-sorted decodes in two where that most reduces the blocks gathered.
-
-        Every sequence of a group is padded to the group's longest context: with mixed lengths
-        one group gathers far more K/V than the sequences hold. A second group costs one more
-        attention call per layer, so it is only used when it saves at least a fifth of the gather.
-        """
-        if len(decodes) < 8:
-            return [(decodes, 0)] if decodes else []
-        blocks = [-(-(d.seq.num_computed_tokens + 1) // self.block_size) for d in decodes]
-        n = len(blocks)
-        whole = n * blocks[-1]
-        best_cost, best_cut = whole, n
-        for cut in range(4, n - 3):
-            cost = cut * blocks[cut - 1] + (n - cut) * blocks[-1]
-            if cost < best_cost:
-                best_cost, best_cut = cost, cut
-        if best_cost > 0.8 * whole:
-            return [(decodes, 0)]
-        return [(decodes[:best_cut], 0), (decodes[best_cut:], best_cut)]
+        host, sampled = build_host_step(scheduled, self.block_size)
+        return StepInputs(host, to_device(host, self.device), sampled, self._sampling_batch(sampled))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
-
-    def _group(self, items: list[ScheduledSeq], token_offset: int) -> AttentionGroup:
-        bs = self.block_size
-        batch = len(items)
-        q_lens = [it.num_new_tokens for it in items]
-        starts = [it.seq.num_computed_tokens for it in items]
-        max_blocks = max(-(-(s + n) // bs) for s, n in zip(starts, q_lens))
-        tables = np.zeros((batch, max_blocks), dtype=np.int64)
-        valid = np.zeros((batch, max_blocks), dtype=bool)
-        for i, it in enumerate(items):
-            row = np.asarray(it.seq.block_table[:max_blocks])
-            tables[i, :len(row)] = np.maximum(row, 0)
-            valid[i, :len(row)] = row >= 0
-        width = max_blocks * bs
-        key_pos = np.arange(width)
-        key_ok = np.repeat(valid, bs, axis=1)  # [batch, width]: block still holds its K/V
-        max_q = max(q_lens)
-        q_pos = np.asarray(starts)[:, None] + np.arange(max_q)[None, :]  # [batch, max_q]
-        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]
-        query_index = output_index = None
-        if batch > 1 and max_q > 1:
-            offsets = token_offset + np.concatenate([[0], np.cumsum(q_lens)[:-1]])
-            j = np.arange(max_q)[None, :]
-            real = j < np.asarray(q_lens)[:, None]
-            query_index = to_idx = offsets[:, None] + np.minimum(j, np.asarray(q_lens)[:, None] - 1)
-            mask[~real] = False
-            mask[~real, 0] = True  # padding rows attend somewhere: no NaN from an empty softmax
-            output_index = np.flatnonzero(real.reshape(-1))
-            query_index = self._to_device(to_idx)
-            output_index = self._to_device(output_index)
-        return AttentionGroup(
-            block_tables=self._to_device(tables),
-            mask=self._to_device(mask[:, None, :, :]),
-            query_index=query_index,
-            output_index=output_index,
-            token_offset=token_offset,
-            num_tokens=sum(q_lens),
-        )
 
     def _sampling_batch(self, sampled: list[ScheduledSeq]) -> SamplingBatch:
         batch = SamplingBatch()
@@ -203,10 +173,21 @@ class ModelRunner:
     # ---- execution ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> tuple[list[int], list[float]]:
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        dev = inputs.device
+        if self.workers is None:
+            hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, dev.meta)
+        else:
+            self.workers.broadcast(inputs.host)  # the other ranks start this step while we do
+            try:
+                hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, dev.meta)
+            except RuntimeError as exc:  # a collective failed: say which worker, if one died
+                time.sleep(0.3)  # the watchdog polls every 0.1 s
+                if self.failure:
+                    raise TensorParallelError(self.failure) from exc
+                raise
         if not inputs.sampled:
             return [], []
-        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        logits = self.model.compute_logits(hidden[dev.logits_rows])
         packed = choose_tokens(logits, inputs.sampling)
         return unpack_tokens(packed.cpu().numpy())  # the step's one device -> host transfer
 

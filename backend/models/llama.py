@@ -13,16 +13,22 @@ from torch import nn
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from ..tensor_parallel import SINGLE, TPShard
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding):
+    """This rank's KV-head groups: column-parallel QKV, row-parallel output projection + all-reduce."""
+
+    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        kv_start, kv_end = tp.split(cfg.num_key_value_heads)
+        per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.num_kv_heads = kv_end - kv_start
+        self.num_heads = self.num_kv_heads * per_kv
         self.head_dim = head_dim
+        self.tp = tp
         self.scale = head_dim ** -0.5
         bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
@@ -39,28 +45,32 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg):
+    """This rank's columns of gate/up (one fused GEMM) and rows of down, then one all-reduce."""
+
+    def __init__(self, cfg, tp: TPShard):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        start, end = tp.split(cfg.intermediate_size)
+        self.intermediate_size = end - start
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, head_dim, rotary)
+        self.self_attn = LlamaAttention(cfg, head_dim, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, positions, hidden, kv_cache, meta):
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
@@ -68,17 +78,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`forward` returns final hidden states; `compute_logits` applies the LM head to chosen rows."""
+    """`forward` returns final hidden states; `compute_logits` applies the LM head to chosen rows.
 
-    def __init__(self, cfg, max_position: int):
+    With a tensor-parallel shard, embeddings, norms and the LM head are replicated: after each
+    layer's all-reduces every rank holds the same hidden states, and only the scheduler rank
+    computes logits.
+    """
+
+    def __init__(self, cfg, max_position: int, tp: TPShard = SINGLE):
         super().__init__()
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {cfg.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
         self.config = cfg
+        self.tp = tp
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.rotary = RotaryEmbedding(cfg, self.head_dim, max_position)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.head_dim, self.rotary)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.head_dim, self.rotary, tp)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -88,7 +104,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        """KV heads held by this rank (all of them without tensor parallelism)."""
+        return self.layers[0].self_attn.num_kv_heads
 
     @property
     def num_layers(self) -> int:
@@ -107,7 +124,11 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight)
 
     def load_hf_state_dict(self, tensors) -> None:
-        """Copy Hugging Face weights (name -> tensor getter) into the fused layout."""
+        """Copy Hugging Face weights into the fused layout, keeping only this rank's shard.
+
+        `tensors` maps a name to its tensor and offers `rows(name, start, end)` / `cols(...)`
+        slices, so a rank reads only its own part of each sharded weight.
+        """
         own = dict(self.named_parameters())
         loaded: set[str] = set()
 
@@ -118,6 +139,12 @@ class LlamaForCausalLM(nn.Module):
             param.data.copy_(value)
             loaded.add(name)
 
+        cfg, d, tp = self.config, self.head_dim, self.tp
+        kv_start, kv_end = tp.split(cfg.num_key_value_heads)
+        per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
+        q_rows = (kv_start * per_kv * d, kv_end * per_kv * d)  # this rank's query heads
+        kv_rows = (kv_start * d, kv_end * d)
+        mlp_rows = tp.split(cfg.intermediate_size)
         get = tensors.__getitem__
         put("embed_tokens.weight", get("model.embed_tokens.weight"))
         put("norm.weight", get("model.norm.weight"))
@@ -128,15 +155,18 @@ class LlamaForCausalLM(nn.Module):
             put(dst + "input_layernorm.weight", get(src + "input_layernorm.weight"))
             put(dst + "post_attention_layernorm.weight", get(src + "post_attention_layernorm.weight"))
             attn = src + "self_attn."
+            qkv_rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
             put(dst + "self_attn.qkv_proj.weight",
-                torch.cat([get(attn + f"{p}_proj.weight") for p in "qkv"], dim=0))
+                torch.cat([tensors.rows(attn + f"{p}_proj.weight", *qkv_rows[p]) for p in "qkv"], dim=0))
             if self.layers[i].self_attn.qkv_proj.bias is not None:
-                put(dst + "self_attn.qkv_proj.bias", torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"], dim=0))
-            put(dst + "self_attn.o_proj.weight", get(attn + "o_proj.weight"))
+                put(dst + "self_attn.qkv_proj.bias",
+                    torch.cat([tensors.rows(attn + f"{p}_proj.bias", *qkv_rows[p]) for p in "qkv"], dim=0))
+            put(dst + "self_attn.o_proj.weight", tensors.cols(attn + "o_proj.weight", *q_rows))
             mlp = src + "mlp."
             put(dst + "mlp.gate_up_proj.weight",
-                torch.cat([get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")], dim=0))
-            put(dst + "mlp.down_proj.weight", get(mlp + "down_proj.weight"))
+                torch.cat([tensors.rows(mlp + "gate_proj.weight", *mlp_rows),
+                           tensors.rows(mlp + "up_proj.weight", *mlp_rows)], dim=0))
+            put(dst + "mlp.down_proj.weight", tensors.cols(mlp + "down_proj.weight", *mlp_rows))
         missing = sorted(set(own) - loaded)
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:5]}")

@@ -1,0 +1,163 @@
+"""Tensor parallelism on CPU with gloo: two ranks give the same greedy ids as one; a dead worker fails loudly.
+
+Offline through the Engine, and end to end through a real tritonserver whose smollm2 runs with
+tensor_parallel_size=2 (rank 0 in Triton's stub process, rank 1 in a worker process).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from grpc_stream import StreamClient, make_inputs, metric, scrape
+from prompts import PLAIN_PROMPTS
+
+GREEDY = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+def worker_pids(ancestor: int) -> list[int]:
+    """Tensor-parallel worker processes descended from `ancestor` (from /proc)."""
+    parents = {}
+    workers = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
+        if "tritonllm.tp_worker" in cmdline:
+            workers.append(int(entry.name))
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == ancestor:
+                return True
+        return False
+
+    return [pid for pid in workers if descends(pid)]
+
+
+@pytest.fixture(scope="module")
+def tp_engine(model_dir):
+    from tritonllm.config import EngineConfig
+    from tritonllm.engine import Engine
+
+    eng = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, max_num_seqs=16, tensor_parallel_size=2))
+    yield eng
+    eng.close()
+
+
+def test_two_ranks_give_the_same_greedy_ids_as_one(engine, tp_engine):
+    prompts = PLAIN_PROMPTS[:6]
+    expected = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    got = [o.token_ids for o in tp_engine.generate(prompts, GREEDY)]  # continuously batched
+    assert got == expected
+    assert tp_engine.runner.model.num_kv_heads == 2  # 3 KV heads split 2 + 1
+    assert not tp_engine.has_unfinished() and tp_engine.block_manager.num_used_blocks == 0
+
+
+def test_a_shard_count_the_model_cannot_take_is_refused(model_dir):
+    from tritonllm.config import ConfigError, EngineConfig
+    from tritonllm.engine import Engine
+
+    with pytest.raises(ValueError, match="exceeds the model's 3 KV heads"):
+        Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=4, warmup=False))
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_a_worker_dying_mid_stream_fails_the_requests_and_the_engine(model_dir):
+    from tritonllm.config import EngineConfig
+    from tritonllm.engine import Engine
+    from tritonllm.engine_loop import EngineDeadError, EngineLoop
+
+    eng = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, max_num_seqs=8, tensor_parallel_size=2,
+                              warmup=False))
+    loop = EngineLoop(eng)
+    try:
+        outputs: dict[str, list] = {}
+        done: dict[str, threading.Event] = {}
+
+        def submit(prompt: str) -> str:
+            box: list = []
+            event = threading.Event()
+
+            def callback(out):
+                box.append(out)
+                if out.finished:
+                    event.set()
+            rid = loop.submit(callback, prompt, {"max_tokens": 2000, "ignore_eos": True})
+            outputs[rid], done[rid] = box, event
+            return rid
+
+        ids = [submit(p) for p in PLAIN_PROMPTS[:3]]
+        deadline = time.monotonic() + 60
+        while not all(outputs[r] for r in ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(outputs[r] for r in ids), "no tokens before the kill"
+        (worker,) = eng.runner.workers.pids
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        for rid in ids:
+            assert done[rid].wait(10), f"{rid} hung after the worker died"
+            last = outputs[rid][-1]
+            assert last.error and "worker rank 1" in last.error, last.error
+        assert time.monotonic() - killed < 10
+        assert not loop.alive
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            loop.submit(lambda out: None, "hello", {"max_tokens": 4})
+    finally:
+        loop.shutdown(timeout_s=10)
+    assert eng.runner.workers is None  # shut down: nothing left running
+
+
+@pytest.fixture(scope="module")
+def tp_server(variant_server):
+    return variant_server("tp2", tensor_parallel_size=2, num_kv_blocks=512, max_num_seqs=16)
+
+
+def test_served_with_two_ranks_the_streams_equal_one_rank_offline(engine, tp_server):
+    prompts = PLAIN_PROMPTS[:4]
+    expected = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    client = StreamClient(tp_server.grpc_url)
+    try:
+        for i, prompt in enumerate(prompts):
+            client.send(f"r{i}", make_inputs(prompt, sampling=GREEDY, exclude_input=True))
+        results = client.wait(timeout=120)
+    finally:
+        client.close()
+    assert [results[f"r{i}"].ids for i in range(len(prompts))] == expected
+    assert all(results[f"r{i}"].error is None for i in range(len(prompts)))
+
+
+def test_served_worker_death_errors_in_flight_and_new_requests(tp_server):
+    (worker,) = worker_pids(tp_server.process.pid)
+    client = StreamClient(tp_server.grpc_url)
+    try:
+        client.send("long", make_inputs(PLAIN_PROMPTS[0], sampling={"max_tokens": 2000, "ignore_eos": True}))
+        deadline = time.monotonic() + 60
+        while not client.results["long"].num_responses and time.monotonic() < deadline:
+            try:
+                client._apply(*client.events.get(timeout=1))
+            except Exception:  # noqa: BLE001 - queue.Empty: keep waiting until the deadline
+                pass
+        assert client.results["long"].num_responses, "no tokens before the kill"
+        os.kill(worker, signal.SIGKILL)
+        result = client.wait(["long"], timeout=30)["long"]
+        assert result.error and "worker rank 1" in result.error, result.error
+        client.send("after", make_inputs("hello", sampling={"max_tokens": 4}))
+        after = client.wait(["after"], timeout=30)["after"]
+        assert after.error and "not running" in after.error, after.error
+    finally:
+        client.close()
+    samples = scrape(tp_server.metrics_url)
+    assert metric(samples, "llm_engine_alive") == 0
