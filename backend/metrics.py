@@ -1,4 +1,8 @@
-"""LLM metrics on Triton's own /metrics endpoint (pb_utils.MetricFamily), labelled by model and version.
+"""LLM metrics on Triton's own /metrics endpoint (pb_utils.MetricFamily), labelled by model, version and model_instance.
+
+Every model instance (instance_group count > 1) runs its own engine in its own stub process, so
+each writes its own series under its `model_instance` label; without it the instances would
+overwrite each other's gauges. (Not `instance`: Prometheus sets that label to the scrape target.)
 
 Per-request histograms and counters are recorded when a request finishes; gauges (queue
 lengths, KV blocks) are refreshed from the engine thread's latest snapshot a few times a second.
@@ -15,8 +19,8 @@ _TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 class EngineMetrics:
     """Names are stable and documented in docs/METRICS.md."""
 
-    def __init__(self, pb_utils, model_name: str, model_version: str):
-        labels = {"model": model_name, "version": str(model_version)}
+    def __init__(self, pb_utils, model_name: str, model_version: str, instance_name: str):
+        labels = {"model": model_name, "version": str(model_version), "model_instance": instance_name}
         F = pb_utils.MetricFamily
 
         # Families must outlive their metrics (the stub refuses metric calls otherwise).

@@ -47,6 +47,18 @@ def engine_config_from_triton(args: dict, model_config: dict) -> EngineConfig:
     return config_from_triton(EngineConfig, args, model_config)
 
 
+def instance_label(args: dict, model_name: str) -> str:
+    """A name for this instance that no other instance of the model shares (the metrics label).
+
+    Triton names instances "<group>_<index>" (smollm2_0_0, smollm2_0_1), but gives the instances
+    of one KIND_GPU group on different GPUs (`gpus: [0, 1]`) the same name: add the GPU for those.
+    """
+    name = args.get("model_instance_name") or f"{model_name}_0"
+    if args.get("model_instance_kind") == "GPU":
+        name += f"_gpu{args.get('model_instance_device_id', '0')}"
+    return name
+
+
 _PARAMETERS_SUPPORTED: list[bool] = []
 
 
@@ -91,16 +103,20 @@ class TritonPythonModel:
         started = time.perf_counter()
         self.engine = Engine(config)
         self.loop = EngineLoop(self.engine)
-        self.metrics = (EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"))
+        self.instance_name = instance_label(args, self.model_name)
+        self.metrics = (EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"), self.instance_name)
                         if config.enable_metrics else None)
+        if self.metrics is not None:
+            # Right from the start: llm_engine_alive reads 0 until the first refresh otherwise.
+            self.metrics.refresh(self.loop.stats, self.loop.alive)
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, _Active] = {}
         self._stopping = threading.Event()
         self._responder = threading.Thread(target=self._respond_loop, name="tritonllm-responses", daemon=True)
         self._responder.start()
-        logger.info("model %s ready in %.1f s: device=%s dtype=%s kv_blocks=%d (verified paths: cpu)",
-                    self.model_name, time.perf_counter() - started, self.engine.device, self.engine.dtype,
-                    self.engine.runner.num_blocks)
+        logger.info("model %s instance %s ready in %.1f s: device=%s dtype=%s kv_blocks=%d (verified paths: cpu)",
+                    self.model_name, self.instance_name, time.perf_counter() - started, self.engine.device,
+                    self.engine.dtype, self.engine.runner.num_blocks)
 
     # ---- requests in -------------------------------------------------------------------------
     def execute(self, requests) -> None:
@@ -239,4 +255,4 @@ class TritonPythonModel:
         self.loop.shutdown()
         self._stopping.set()
         self._responder.join(timeout=30)
-        logger.info("model %s finalized", self.model_name)
+        logger.info("model %s instance %s finalized", self.model_name, self.instance_name)

@@ -70,10 +70,11 @@ def minilm_server(tmp_path_factory):
     server.stop()
 
 
-def write_variant_repo(dest: Path, **params) -> Path:
+def write_variant_repo(dest: Path, *, instance_count: int | None = None, **params) -> Path:
     """A model repository holding a copy of model_repository/smollm2 with some config.pbtxt parameters set.
 
-    Parameters already in config.pbtxt get the new value; others are added.
+    Parameters already in config.pbtxt get the new value; others are added. `instance_count`
+    replaces the instance_group with that many KIND_CPU instances.
     """
     import re
     import shutil
@@ -82,6 +83,10 @@ def write_variant_repo(dest: Path, **params) -> Path:
                     ignore=shutil.ignore_patterns("__pycache__"))
     config = dest / "smollm2" / "config.pbtxt"
     text = config.read_text()
+    if instance_count is not None:
+        text, found = re.subn(r"^instance_group \[.*\]$", f"instance_group [ {{ count: {instance_count}, kind: KIND_CPU }} ]",
+                              text, flags=re.M)
+        assert found == 1, "config.pbtxt has no one-line instance_group to replace"
     for key, value in params.items():
         line = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}'
         text, found = re.subn(rf'^parameters: \{{ key: "{re.escape(key)}".*$', line, text, flags=re.M)
@@ -94,6 +99,8 @@ def write_variant_repo(dest: Path, **params) -> Path:
 @pytest.fixture(scope="module")
 def variant_server(tmp_path_factory):
     """Factory for tritonservers whose smollm2 has other config.pbtxt parameters: start(name, **params).
+
+    start(name, instance_count=N, **params) also sets the number of KIND_CPU instances.
 
     One variant runs at a time: asking for another stops the one running first; asking again for
     the same one returns it. The last is stopped when the module ends. Explicit model control,
@@ -109,13 +116,13 @@ def variant_server(tmp_path_factory):
         if server is not None:
             server.stop()
 
-    def start(name: str, **params) -> TritonServer:
-        key = (name, tuple(sorted(params.items())))
+    def start(name: str, instance_count: int | None = None, **params) -> TritonServer:
+        key = (name, instance_count, tuple(sorted(params.items())))
         if current.get("key") == key:
             return current["server"]
         stop()
         root = tmp_path_factory.mktemp(f"variant-{name}")
-        repo = write_variant_repo(root / "repo", **params)
+        repo = write_variant_repo(root / "repo", instance_count=instance_count, **params)
         server = TritonServer(repo, log_path=root / "tritonserver.log",
                               extra_args=["--model-control-mode=explicit", "--load-model=smollm2"])
         server.start()
