@@ -57,12 +57,14 @@ class ModelRunner:
         self.eos_token_ids = sorted(eos_token_ids)
         self.tp_size = config.tensor_parallel_size
         self.workers: TensorParallelWorkers | None = None
+        self._threads_before = 0
         devices.set_device(device)
         started = time.perf_counter()
         self.tp = TPShard(0, self.tp_size)
         if self.tp_size > 1:
             check_shardable(load_hf_config(model_dir).num_key_value_heads, self.tp_size)
-            if device.type == "cpu":  # the ranks share this machine's cores
+            if device.type == "cpu":  # the ranks share this machine's cores (restored by close())
+                self._threads_before = torch.get_num_threads()
                 torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size))
             self.workers = TensorParallelWorkers([self._worker_spec(model_dir, rank) for rank in range(1, self.tp_size)])
         try:
@@ -111,6 +113,8 @@ class ModelRunner:
         self.workers.close()
         self.workers = None
         self.tp.group = None
+        if self._threads_before:
+            torch.set_num_threads(self._threads_before)
 
     def _blocks_from_memory(self) -> int:
         free = devices.free_memory_bytes(self.device)
