@@ -101,8 +101,9 @@ class TritonPythonModel:
         logging.getLogger("tritonllm").setLevel(config.log_level.upper())
         self.model_name = args.get("model_name", "model")
         started = time.perf_counter()
-        self.engine = Engine(config)
-        self.loop = EngineLoop(self.engine)
+        # Built and warmed on the loop thread that will run it (see EngineLoop on OpenMP pools).
+        self.loop = EngineLoop.build(lambda: Engine(config))
+        self.engine = self.loop.engine
         self.instance_name = instance_label(args, self.model_name)
         self.metrics = (EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"), self.instance_name)
                         if config.enable_metrics else None)

@@ -161,3 +161,30 @@ def test_extreme_but_valid_sampling_values_do_not_break_a_step(engine):
     assert len(out.token_ids) == 4
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         engine.add_request("Hello", SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**9]))
+
+
+def test_engine_loop_builds_its_engine_on_the_loop_thread(engine):
+    """Serving builds and warms the model on the thread that runs it (one OpenMP pool, see EngineLoop)."""
+    import threading
+
+    from tritonllm.engine_loop import EngineLoop
+
+    built_on: list[str] = []
+
+    def make():
+        built_on.append(threading.current_thread().name)
+        return engine
+
+    loop = EngineLoop.build(make)
+    try:
+        assert built_on == ["tritonllm-engine"] and loop.engine is engine and loop.alive
+    finally:
+        loop._stopping.set()  # stop the thread without closing the shared engine
+        loop._wake.set()
+        loop._thread.join(10)
+
+    def broken():
+        raise RuntimeError("no model here")
+
+    with pytest.raises(RuntimeError, match="no model here"):
+        EngineLoop.build(broken)
