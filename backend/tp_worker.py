@@ -56,7 +56,16 @@ def serve(conn: Connection) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    serve(Connection(int(os.environ["TRITONLLM_TP_FD"])))
+    conn = Connection(int(os.environ["TRITONLLM_TP_FD"]))
+    try:
+        serve(conn)
+    except BaseException as exc:
+        logger.exception("tensor-parallel worker failed")
+        try:  # rank 0 may still be waiting for this rank to load: tell it why
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        sys.exit(1)
 
 
 if __name__ == "__main__":

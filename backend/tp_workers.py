@@ -105,6 +105,8 @@ class TensorParallelWorkers:
                 time.sleep(0.5)  # let the watchdog read its exit code for the message
                 self._raise_if_failed()
                 raise TensorParallelError(f"tensor-parallel worker rank {rank} closed its connection") from None
+            if isinstance(message, tuple) and message[0] == "error":
+                raise TensorParallelError(f"tensor-parallel worker rank {rank} failed to load: {message[1]}")
             if message != "loaded":
                 raise TensorParallelError(f"tensor-parallel worker rank {rank}: unexpected {message!r}")
 

@@ -161,3 +161,23 @@ def test_served_worker_death_errors_in_flight_and_new_requests(tp_server):
         client.close()
     samples = scrape(tp_server.metrics_url)
     assert metric(samples, "llm_engine_alive") == 0
+
+
+def test_a_worker_that_cannot_load_fails_the_engine_start_with_its_reason(model_dir, monkeypatch):
+    import dataclasses
+
+    from tritonllm.config import EngineConfig
+    from tritonllm.engine import Engine
+    from tritonllm.model_runner import ModelRunner
+    from tritonllm.tp_workers import TensorParallelError
+
+    real_spec = ModelRunner._worker_spec
+
+    def spec_without_weights(self, model_dir, rank):
+        return dataclasses.replace(real_spec(self, model_dir, rank), model_dir="/nonexistent/model")
+
+    monkeypatch.setattr(ModelRunner, "_worker_spec", spec_without_weights)
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed to load: .*nonexistent"):
+        Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=2, warmup=False))
+    assert time.monotonic() - started < 60
