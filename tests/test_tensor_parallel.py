@@ -159,8 +159,11 @@ def test_served_worker_death_errors_in_flight_and_new_requests(tp_server):
         assert after.error and "not running" in after.error, after.error
     finally:
         client.close()
-    samples = scrape(tp_server.metrics_url)
-    assert metric(samples, "llm_engine_alive") == 0
+    # The gauges are refreshed twice a second: poll briefly for the dead engine to show.
+    deadline = time.monotonic() + 10
+    while metric(scrape(tp_server.metrics_url), "llm_engine_alive") != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(scrape(tp_server.metrics_url), "llm_engine_alive") == 0
 
 
 def test_a_worker_that_cannot_load_fails_the_engine_start_with_its_reason(model_dir, monkeypatch):
