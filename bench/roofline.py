@@ -72,7 +72,7 @@ def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> dict:
 
 def decode_flops(model: nn.Module, batch: int, context_lens: list[int]) -> dict:
     """FLOPs of one decode step: weights (Linear layers + LM head) and attention (QK^T and PV)."""
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    linear = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)  # every GEMM weight of the layers
     head = 0 if getattr(model, "lm_head", None) is not None else model.embed_tokens.weight.numel()  # tied head
     cfg = model.config
     head_dim = getattr(model, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
