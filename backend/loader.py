@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 
-from .layers.linear import pretranspose_linears
 from .models.llama import LlamaForCausalLM
 from .tensor_parallel import SINGLE, TPShard
 
@@ -59,8 +58,6 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     cos, sin = model.rotary.cos, model.rotary.sin
     model = model.to(device=device, dtype=dtype)
     model.rotary.cos, model.rotary.sin = cos.to(device), sin.to(device)
-    if device.type == "cpu":  # measured faster there (layers/linear.py); accelerators keep nn.Linear
-        pretranspose_linears(model.layers, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     model.eval()
     return model
 
