@@ -61,13 +61,13 @@ class ModelRunner:
         devices.set_device(device)
         started = time.perf_counter()
         self.tp = TPShard(0, self.tp_size)
-        if self.tp_size > 1:
-            check_shardable(load_hf_config(model_dir).num_key_value_heads, self.tp_size)
-            if device.type == "cpu":  # the ranks share this machine's cores (restored by close())
-                self._threads_before = torch.get_num_threads()
-                torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size))
-            self.workers = TensorParallelWorkers([self._worker_spec(model_dir, rank) for rank in range(1, self.tp_size)])
         try:
+            if self.tp_size > 1:
+                check_shardable(load_hf_config(model_dir).num_key_value_heads, self.tp_size)
+                if device.type == "cpu":  # the ranks share this machine's cores (restored by close())
+                    self._threads_before = torch.get_num_threads()
+                    torch.set_num_threads(self._threads_per_rank())
+                self.workers = TensorParallelWorkers([self._worker_spec(model_dir, r) for r in range(1, self.tp_size)])
             self.model = load_model(model_dir, dtype, device, max_position=max_model_len, tp=self.tp)
             logger.info("loaded %s (%s, %s, tensor-parallel rank 0 of %d) in %.1f s", model_dir, device, dtype,
                         self.tp_size, time.perf_counter() - started)
@@ -86,10 +86,11 @@ class ModelRunner:
                     self.kv_bytes_per_token, max_model_len, self.num_blocks * self.block_size / max_model_len)
 
     # ---- tensor parallelism ------------------------------------------------------------------
+    def _threads_per_rank(self) -> int:
+        return self.config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size)
+
     def _worker_spec(self, model_dir: Path, rank: int) -> WorkerSpec:
-        threads = 0
-        if self.device.type == "cpu":
-            threads = self.config.num_threads or max(1, (os.cpu_count() or 1) // self.tp_size)
+        threads = self._threads_per_rank() if self.device.type == "cpu" else 0
         return WorkerSpec(model_dir=str(model_dir), dtype=str(self.dtype).removeprefix("torch."),
                           device=str(rank_device(self.device, rank)), max_model_len=self.max_model_len,
                           rank=rank, world_size=self.tp_size, num_threads=threads, block_size=self.block_size)
@@ -108,13 +109,13 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop tensor-parallel workers and leave the process group (nothing to do on one rank)."""
-        if self.workers is None:
-            return
-        self.workers.close()
-        self.workers = None
-        self.tp.group = None
-        if self._threads_before:
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+            self.tp.group = None
+        if self._threads_before:  # also when the workers never started
             torch.set_num_threads(self._threads_before)
+            self._threads_before = 0
 
     def _blocks_from_memory(self) -> int:
         free = devices.free_memory_bytes(self.device)
