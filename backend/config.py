@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "longest_output_first")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_GEMMS = ("onednn", "aten")
 
 
 class ConfigError(ValueError):
@@ -34,6 +35,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_queue_size: int = 0  # 0: unbounded waiting queue
     num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default; per rank with tensor parallelism)
+    cpu_gemm: str = "onednn"  # CPU linears: oneDNN with weights packed once (onednn) or torch's F.linear (aten)
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each; see tp_workers.py)
     warmup: bool = True
     enable_metrics: bool = True  # Triton /metrics families (serving only)
@@ -64,6 +66,8 @@ class EngineConfig:
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ConfigError(f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
         dev = self.device.split(":")[0]
         if dev not in ("auto", "cpu", "cuda", "npu"):
             raise ConfigError(f"device must be auto, cpu, cuda[:N] or npu[:N], got {self.device!r}")

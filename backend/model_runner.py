@@ -36,12 +36,13 @@ class StepInputs:
 
 
 def allocate_kv_pool(model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-    """Per layer (K, V), each [num_blocks, block_size, kv_heads on this rank, head_dim].
+    """Per layer (K, V), each [kv_heads on this rank, num_blocks, block_size, head_dim] (head-major:
+    see layers/attention.py).
 
     Zeroed, not empty: attention reads whole blocks, and a NaN left in memory under a masked
     position would still poison the weighted sum (0 * NaN).
     """
-    shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    shape = (model.num_kv_heads, num_blocks, block_size, model.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model.num_layers)]
 
@@ -68,7 +69,8 @@ class ModelRunner:
                     self._threads_before = torch.get_num_threads()
                     torch.set_num_threads(self._threads_per_rank())
                 self.workers = TensorParallelWorkers([self._worker_spec(model_dir, r) for r in range(1, self.tp_size)])
-            self.model = load_model(model_dir, dtype, device, max_position=max_model_len, tp=self.tp)
+            self.model = load_model(model_dir, dtype, device, max_position=max_model_len, tp=self.tp,
+                                    cpu_gemm=config.cpu_gemm, batch_hint=config.max_num_seqs)
             logger.info("loaded %s (%s, %s, tensor-parallel rank 0 of %d) in %.1f s", model_dir, device, dtype,
                         self.tp_size, time.perf_counter() - started)
             m = self.model
@@ -93,7 +95,8 @@ class ModelRunner:
         threads = self._threads_per_rank() if self.device.type == "cpu" else 0
         return WorkerSpec(model_dir=str(model_dir), dtype=str(self.dtype).removeprefix("torch."),
                           device=str(rank_device(self.device, rank)), max_model_len=self.max_model_len,
-                          rank=rank, world_size=self.tp_size, num_threads=threads, block_size=self.block_size)
+                          rank=rank, world_size=self.tp_size, num_threads=threads, block_size=self.block_size,
+                          cpu_gemm=self.config.cpu_gemm, batch_hint=self.config.max_num_seqs)
 
     def _connect_workers(self) -> None:
         self.workers.wait_loaded()

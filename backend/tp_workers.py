@@ -47,6 +47,8 @@ class WorkerSpec:
     world_size: int
     num_threads: int  # torch intra-op threads on CPU (0: leave torch's default)
     block_size: int
+    cpu_gemm: str = "aten"  # EngineConfig.cpu_gemm
+    batch_hint: int = 64  # rows the packed CPU weights are tuned for (max_num_seqs)
 
 
 def python_executable() -> str:

@@ -4,6 +4,14 @@ The step's tokens are flattened (no padding between sequences): decode tokens fi
 prompt chunks. New K/V are written into the block pool through `slot_mapping`; each group then
 attends over its sequences' block tables. Grouped-query attention folds the query heads that share
 a KV head into the query-length axis, so K/V are never repeated per query head.
+
+The pool is head-major, [kv_heads, num_blocks, block_size, head_dim] per layer: gathering one KV
+head's blocks for a batch gives a contiguous [batch, context, head_dim] matrix that batched GEMMs
+read as they are. Decodes (one query per sequence) use exactly that: per KV head, one gather of K
+and V, then QK^T, softmax and PV as two batched GEMMs. On a 2-core CPU at batch 64 and context 256
+this is 2.5 ms per layer against 8-15 ms for the token-major pool with SDPA, whose kernel pays a
+fixed cost per (sequence, head) that a single query row cannot amortise. Prompt chunks keep SDPA
+(many query rows per sequence).
 """
 
 from __future__ import annotations
@@ -24,6 +32,14 @@ class AttentionGroup:
     output_index: torch.Tensor | None  # flat rows of the [batch * max_q] result that are real tokens
     token_offset: int  # first flat token row of this group
     num_tokens: int
+    bias: torch.Tensor | None = None  # decode: mask as 0 / -inf [batch, 1, width], made once per step
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as an additive bias for the decode GEMMs, built by the first layer, reused by the rest."""
+        if self.bias is None or self.bias.dtype != dtype:
+            keep = self.mask[:, 0]  # [batch, 1, width]
+            self.bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+        return self.bias
 
 
 @dataclass
@@ -39,26 +55,52 @@ class AttentionMetadata:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k_cache: [num_blocks, block_size, kv_heads, head_dim]; k: [tokens, kv_heads, head_dim]."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """k_cache: [kv_heads, num_blocks, block_size, head_dim]; k: [tokens, kv_heads, head_dim]."""
+    kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def _gather(cache: torch.Tensor, flat_tables: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of every KV head: [kv_heads, len(flat_tables), block_size * head_dim].
+
+    index_select on a [.., num_blocks, block_bytes] view is a plain row copy, several times faster
+    on CPU than advanced indexing of the 4-D pool.
+    """
+    return torch.index_select(cache.view(cache.shape[0], cache.shape[1], -1), 1, flat_tables)
+
+
+def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
+                  scale: float) -> torch.Tensor:
+    """One query per sequence. q: [batch, heads, head_dim] -> [batch, heads, head_dim]."""
+    batch, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[0]
+    per_kv = num_heads // kv_heads
+    width = group.block_tables.shape[1] * k_cache.shape[2]
+    flat_tables = group.block_tables.reshape(-1)
+    bias = group.additive_mask(q.dtype).expand(batch, per_kv, width)
+    q = q.view(batch, kv_heads, per_kv, head_dim)
+    out = q.new_empty(kv_heads, batch, per_kv, head_dim)  # each head's result written in place
+    for h in range(kv_heads):
+        k = torch.index_select(k_cache[h].view(k_cache.shape[1], -1), 0, flat_tables).view(batch, width, head_dim)
+        v = torch.index_select(v_cache[h].view(v_cache.shape[1], -1), 0, flat_tables).view(batch, width, head_dim)
+        scores = torch.baddbmm(bias, q[:, h], k.transpose(1, 2), alpha=scale)  # [batch, per_kv, width]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        torch.bmm(probs, v, out=out[h])
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
                   scale: float) -> torch.Tensor:
-    """q: [batch, max_q, heads, head_dim] -> [batch, max_q, heads, head_dim]."""
+    """Prompt chunks. q: [batch, max_q, heads, head_dim] -> [batch, max_q, heads, head_dim]."""
     batch, max_q, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
+    kv_heads = k_cache.shape[0]
     per_kv = num_heads // kv_heads
-    width = group.block_tables.shape[1] * k_cache.shape[1]
-    # Gather whole blocks with index_select on a [num_blocks, block_bytes] view: a plain row copy,
-    # several times faster on CPU than advanced indexing of the 4-D pool.
+    width = group.block_tables.shape[1] * k_cache.shape[2]
     flat_tables = group.block_tables.reshape(-1)
-    k = torch.index_select(k_cache.view(k_cache.shape[0], -1), 0, flat_tables)
-    v = torch.index_select(v_cache.view(v_cache.shape[0], -1), 0, flat_tables)
     # -> [batch, kv_heads, width, d] (a strided view; SDPA reads it in place)
-    k = k.view(batch, width, kv_heads, head_dim).transpose(1, 2)
-    v = v.view(batch, width, kv_heads, head_dim).transpose(1, 2)
+    k = _gather(k_cache, flat_tables).view(kv_heads, batch, width, head_dim).transpose(0, 1)
+    v = _gather(v_cache, flat_tables).view(kv_heads, batch, width, head_dim).transpose(0, 1)
     # [batch, max_q, kv_heads, per_kv, d] -> [batch, kv_heads, max_q * per_kv, d]
     q = q.view(batch, max_q, kv_heads, per_kv, head_dim).permute(0, 2, 1, 3, 4).reshape(
         batch, kv_heads, max_q * per_kv, head_dim)
@@ -75,8 +117,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [tokens, heads, head_dim] (K/V already written) -> [tokens, heads, head_dim]."""
     out = torch.empty_like(q)
     for g in meta.decode:
-        q_dec = q[g.token_offset:g.token_offset + g.num_tokens].unsqueeze(1)
-        out[g.token_offset:g.token_offset + g.num_tokens] = _attend_group(q_dec, k_cache, v_cache, g, scale).squeeze(1)
+        rows = slice(g.token_offset, g.token_offset + g.num_tokens)
+        out[rows] = _decode_group(q[rows], k_cache, v_cache, g, scale)
     if meta.prefill is not None:
         g = meta.prefill
         if g.query_index is None:  # a single prompt chunk: no padding needed

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
+from ..layers.linear import Linear, pack_linears, pack_weight, packed_linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..tensor_parallel import SINGLE, TPShard
@@ -31,8 +32,8 @@ class LlamaAttention(nn.Module):
         self.tp = tp
         self.scale = head_dim ** -0.5
         bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
         self.rotary = rotary
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -56,8 +57,8 @@ class LlamaMLP(nn.Module):
         start, end = tp.split(cfg.intermediate_size)
         self.intermediate_size = end - start
         self.tp = tp
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -98,7 +99,8 @@ class LlamaForCausalLM(nn.Module):
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tied_head_packed: torch.Tensor | None = None  # the tied LM head in oneDNN's layout (pack_for_cpu)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -120,8 +122,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if self.tied_head_packed is not None:
+            return packed_linear(hidden, self.tied_head_packed, None)
+        return F.linear(hidden, self.embed_tokens.weight)
+
+    def pack_for_cpu(self, batch_hint: int) -> None:
+        """Every GEMM weight (and the LM head) into oneDNN's packed layout (layers/linear.py).
+
+        A tied LM head gets its own packed copy: the embedding lookup still needs the plain table.
+        """
+        pack_linears(self, batch_hint)
+        if self.lm_head is None:
+            self.tied_head_packed = pack_weight(self.embed_tokens.weight, batch_hint)
 
     def load_hf_state_dict(self, tensors) -> None:
         """Copy Hugging Face weights into the fused layout, keeping only this rank's shard.
