@@ -120,7 +120,8 @@ def machine_section(machine: dict) -> str:
     gemm = machine.get("gemm")
     if gemm:
         lines.append(f"- fp32 GEMM rate ({gemm['threads']} threads), best / median of 5: " + "; ".join(
-            f"{g['shape']} {g['gflops_best']:.1f} / {g['gflops_median']:.1f} GFLOPS"
+            f"{g['shape']} " + ", ".join(f"{lib} {r['gflops_best']:.1f} / {r['gflops_median']:.1f}"
+                                         for lib, r in g.get("by_library", {"aten": g}).items()) + " GFLOPS"
             for g in (gemm["mm_2048"], gemm["decode_linear"], gemm["lm_head"])))
     kv = machine.get("kv")
     if kv:

@@ -2,8 +2,10 @@
 
 All measured in the benchmark's own process at the same torch thread count, so "% of GEMM rate"
 compares numbers taken minutes apart on the same (possibly shared) machine:
-- GEMM rate: fp32 torch.mm at 2048^3 (the machine's practical peak) and F.linear at the decode
-  shapes of batch 64 ([64,576]x[576,1536] as in gate/up, and the LM head [64,576]x[576,49152]).
+- GEMM rate: fp32 at 2048^3 (the machine's practical peak) and at the decode shapes of batch 64
+  ([64,576]x[576,1536] as in gate/up, and the LM head [64,576]x[576,49152]), each through torch's
+  own F.linear / torch.mm (MKL on x86) and through oneDNN with the weight packed once (what the
+  engine uses on CPU, layers/linear.py). The peak is the better of the two at 2048^3.
 - KV bytes per token: layers x 2 x kv_heads x head_dim x dtype bytes from config.json, next to the
   bytes the offline engine's pool really spends per token slot (equal means no padding waste).
 - Decode step at batch 64: the offline Engine (warm) with 64 sequences all decoding; `step()`
@@ -49,13 +51,23 @@ def gemm_rates(threads: int, hidden: int = 576, intermediate: int = 1536, vocab:
     a, b = torch.randn(2048, 2048, generator=gen), torch.randn(2048, 2048, generator=gen)
     x = torch.randn(batch, hidden, generator=gen)
     w_up, w_head = torch.randn(intermediate, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen)
+    from tritonllm.layers.linear import onednn_packing_supported, pack_weight, packed_linear
+
+    def both(x, w, flops) -> dict:
+        """aten's rate, oneDNN's with the weight packed once, and the better of the two (best/median)."""
+        rates = {"aten": _rate(lambda: F.linear(x, w), flops)}
+        if onednn_packing_supported(x.device, x.dtype):
+            packed = pack_weight(w, x.shape[0])
+            rates["onednn"] = _rate(lambda: packed_linear(x, packed, None), flops)
+        return {**max(rates.values(), key=lambda r: r["gflops_best"]), "by_library": rates}
+
     return {
         "threads": torch.get_num_threads(),
-        "mm_2048": {"shape": "[2048,2048]x[2048,2048]", **_rate(lambda: torch.mm(a, b), 2 * 2048 ** 3)},
+        "mm_2048": {"shape": "[2048,2048]x[2048,2048]", **both(a, b, 2 * 2048 ** 3)},
         "decode_linear": {"shape": f"[{batch},{hidden}]x[{hidden},{intermediate}]",
-                          **_rate(lambda: F.linear(x, w_up), 2 * batch * hidden * intermediate)},
+                          **both(x, w_up, 2 * batch * hidden * intermediate)},
         "lm_head": {"shape": f"[{batch},{hidden}]x[{hidden},{vocab}]",
-                    **_rate(lambda: F.linear(x, w_head), 2 * batch * hidden * vocab)},
+                    **both(x, w_head, 2 * batch * hidden * vocab)},
     }
 
 
@@ -72,7 +84,8 @@ def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> dict:
 
 def decode_flops(model: nn.Module, batch: int, context_lens: list[int]) -> dict:
     """FLOPs of one decode step: weights (Linear layers + LM head) and attention (QK^T and PV)."""
-    linear = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)  # every GEMM weight of the layers
+    # Every GEMM weight of the layers, counted from the Linear shapes (packed weights free the plain ones).
+    linear = sum(m.in_features * m.out_features for m in model.layers.modules() if isinstance(m, nn.Linear))
     head = 0 if getattr(model, "lm_head", None) is not None else model.embed_tokens.weight.numel()  # tied head
     cfg = model.config
     head_dim = getattr(model, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
