@@ -38,7 +38,8 @@ def choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logprobs_all = torch.log_softmax(logits, dim=-1)
         chosen = logprobs_all.gather(1, ids.unsqueeze(1)).squeeze(1)
     else:  # log-prob of the max = -log(sum(exp(logits - max))): logsumexp without finding the max again
-        chosen = (logits - max_logit.unsqueeze(1)).exp_().sum(dim=-1).log_().neg_()
+        # In place: logits is this step's own tensor, and a fresh [batch, vocab] buffer costs page faults.
+        chosen = logits.sub_(max_logit.unsqueeze(1)).exp_().sum(dim=-1).log_().neg_()
     return torch.stack([ids.to(torch.int32), chosen.contiguous().view(torch.int32)])
 
 

@@ -76,26 +76,40 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Hos
     return host, sampled
 
 
-def split_by_length(decodes: list[ScheduledSeq], block_size: int) -> list[tuple[list[ScheduledSeq], int]]:
-    """Cut the length-sorted decodes in two where that most reduces the blocks gathered.
+MAX_DECODE_GROUPS = 4
+GROUP_COST_BLOCKS = 64  # one more group's fixed cost (a few small ops per KV head and layer), in gathered block rows
 
-    Every sequence of a group is padded to the group's longest context: with mixed lengths
-    one group gathers far more K/V than the sequences hold. A second group costs one more
-    attention call per layer, so it is only used when it saves at least a fifth of the gather.
+
+def split_by_length(decodes: list[ScheduledSeq], block_size: int) -> list[tuple[list[ScheduledSeq], int]]:
+    """Cut the length-sorted decodes into up to MAX_DECODE_GROUPS groups gathering the fewest blocks.
+
+    Every sequence of a group is padded to the group's longest context: with mixed lengths one
+    group gathers far more K/V than the sequences hold. A group costs a fixed GROUP_COST_BLOCKS on
+    top of the blocks it gathers; the cuts minimising the total are found by dynamic programming
+    over the sorted lengths (64 sequences x 4 groups: microseconds).
     """
-    if len(decodes) < 8:
-        return [(decodes, 0)] if decodes else []
+    if not decodes:
+        return []
     blocks = [-(-(d.seq.num_computed_tokens + 1) // block_size) for d in decodes]
     n = len(blocks)
-    whole = n * blocks[-1]
-    best_cost, best_cut = whole, n
-    for cut in range(4, n - 3):
-        cost = cut * blocks[cut - 1] + (n - cut) * blocks[-1]
-        if cost < best_cost:
-            best_cost, best_cut = cost, cut
-    if best_cost > 0.8 * whole:
-        return [(decodes, 0)]
-    return [(decodes[:best_cut], 0), (decodes[best_cut:], best_cut)]
+    inf = float("inf")
+    # best[k][j]: least cost of the first j sequences in k groups; cut[k][j]: where the last group starts
+    best = [[inf] * (n + 1) for _ in range(MAX_DECODE_GROUPS + 1)]
+    cut = [[0] * (n + 1) for _ in range(MAX_DECODE_GROUPS + 1)]
+    best[0][0] = 0
+    for k in range(1, MAX_DECODE_GROUPS + 1):
+        for j in range(1, n + 1):
+            for i in range(k - 1, j):
+                cost = best[k - 1][i] + (j - i) * blocks[j - 1] + GROUP_COST_BLOCKS
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    k = min(range(1, MAX_DECODE_GROUPS + 1), key=lambda g: best[g][n])
+    bounds, j = [], n
+    while k > 0:
+        i = cut[k][j]
+        bounds.append((i, j))
+        j, k = i, k - 1
+    return [(decodes[i:j], i) for i, j in reversed(bounds)]
 
 
 def _group(items: list[ScheduledSeq], token_offset: int, bs: int) -> HostGroup:
