@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import cpu_kernels
 from . import device as devices
 from .config import EngineConfig
 from .loader import load_hf_config, load_model
@@ -82,6 +83,12 @@ class ModelRunner:
             self.close()
             raise
         self.kv_caches = allocate_kv_pool(m, self.num_blocks, self.block_size, dtype, device)
+        # Decodes read K/V in place through our C++ kernel where it applies and builds; one decode
+        # group then (the kernel skips padding instead of gathering it), else up to four.
+        self.decode_kernel = (config.cpu_kernels and device.type == "cpu" and dtype == torch.float32
+                              and cpu_kernels.load())
+        self.max_decode_groups = 1 if self.decode_kernel else 4
+        logger.info("decode attention: %s", "C++ paged kernel" if self.decode_kernel else "torch (gather + batched GEMMs)")
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, %d bytes/token on this rank); max concurrency at "
                     "max_model_len=%d: %.1f", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,
@@ -96,7 +103,8 @@ class ModelRunner:
         return WorkerSpec(model_dir=str(model_dir), dtype=str(self.dtype).removeprefix("torch."),
                           device=str(rank_device(self.device, rank)), max_model_len=self.max_model_len,
                           rank=rank, world_size=self.tp_size, num_threads=threads, block_size=self.block_size,
-                          cpu_gemm=self.config.cpu_gemm, batch_hint=self.config.max_num_seqs)
+                          cpu_gemm=self.config.cpu_gemm, batch_hint=self.config.max_num_seqs,
+                          cpu_kernels=self.config.cpu_kernels)
 
     def _connect_workers(self) -> None:
         self.workers.wait_loaded()
@@ -141,8 +149,8 @@ class ModelRunner:
 
     # ---- inputs ------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        host, sampled = build_host_step(scheduled, self.block_size)
-        return StepInputs(host, to_device(host, self.device), sampled, self._sampling_batch(sampled))
+        host, sampled = build_host_step(scheduled, self.block_size, self.max_decode_groups)
+        return StepInputs(host, to_device(host, self.device, self.decode_kernel), sampled, self._sampling_batch(sampled))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

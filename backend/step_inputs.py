@@ -45,8 +45,12 @@ class DeviceStep:
     logits_rows: torch.Tensor
 
 
-def build_host_step(scheduled: list[ScheduledSeq], block_size: int) -> tuple[HostStep, list[ScheduledSeq]]:
-    """The step's flat inputs, and the sequences that choose a token (in logits-row order)."""
+def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
+                    max_decode_groups: int = 4) -> tuple[HostStep, list[ScheduledSeq]]:
+    """The step's flat inputs, and the sequences that choose a token (in logits-row order).
+
+    `max_decode_groups` 1 suits the decode kernel, which skips padding instead of gathering it.
+    """
     bs = block_size
     decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
     prefills = [s for s in scheduled if s.num_new_tokens > 1]
@@ -69,7 +73,7 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Hos
         input_ids=np.asarray(input_ids, dtype=np.int64),
         positions=np.concatenate(positions).astype(np.int64),
         slot_mapping=np.concatenate(slots).astype(np.int64),
-        decode=[_group(part, offset, bs) for part, offset in split_by_length(decodes, bs)],
+        decode=[_group(part, offset, bs) for part, offset in split_by_length(decodes, bs, max_decode_groups)],
         prefill=_group(prefills, len(decodes), bs) if prefills else None,
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
     )
@@ -80,8 +84,9 @@ MAX_DECODE_GROUPS = 4
 GROUP_COST_BLOCKS = 64  # one more group's fixed cost (a few small ops per KV head and layer), in gathered block rows
 
 
-def split_by_length(decodes: list[ScheduledSeq], block_size: int) -> list[tuple[list[ScheduledSeq], int]]:
-    """Cut the length-sorted decodes into up to MAX_DECODE_GROUPS groups gathering the fewest blocks.
+def split_by_length(decodes: list[ScheduledSeq], block_size: int,
+                    max_groups: int = MAX_DECODE_GROUPS) -> list[tuple[list[ScheduledSeq], int]]:
+    """Cut the length-sorted decodes into up to `max_groups` groups gathering the fewest blocks.
 
     Every sequence of a group is padded to the group's longest context: with mixed lengths one
     group gathers far more K/V than the sequences hold. A group costs a fixed GROUP_COST_BLOCKS on
@@ -94,16 +99,16 @@ def split_by_length(decodes: list[ScheduledSeq], block_size: int) -> list[tuple[
     n = len(blocks)
     inf = float("inf")
     # best[k][j]: least cost of the first j sequences in k groups; cut[k][j]: where the last group starts
-    best = [[inf] * (n + 1) for _ in range(MAX_DECODE_GROUPS + 1)]
-    cut = [[0] * (n + 1) for _ in range(MAX_DECODE_GROUPS + 1)]
+    best = [[inf] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
     best[0][0] = 0
-    for k in range(1, MAX_DECODE_GROUPS + 1):
+    for k in range(1, max_groups + 1):
         for j in range(1, n + 1):
             for i in range(k - 1, j):
                 cost = best[k - 1][i] + (j - i) * blocks[j - 1] + GROUP_COST_BLOCKS
                 if cost < best[k][j]:
                     best[k][j], cut[k][j] = cost, i
-    k = min(range(1, MAX_DECODE_GROUPS + 1), key=lambda g: best[g][n])
+    k = min(range(1, max_groups + 1), key=lambda g: best[g][n])
     bounds, j = [], n
     while k > 0:
         i = cut[k][j]
@@ -141,7 +146,7 @@ def _group(items: list[ScheduledSeq], token_offset: int, bs: int) -> HostGroup:
     return HostGroup(tables, mask[:, None, :, :], query_index, output_index, token_offset, sum(q_lens))
 
 
-def to_device(host: HostStep, device: torch.device) -> DeviceStep:
+def to_device(host: HostStep, device: torch.device, decode_kernel: bool = False) -> DeviceStep:
     def to(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
 
@@ -156,5 +161,6 @@ def to_device(host: HostStep, device: torch.device) -> DeviceStep:
         slot_mapping=to(host.slot_mapping),
         decode=[group(g) for g in host.decode],
         prefill=group(host.prefill) if host.prefill is not None else None,
+        decode_kernel=decode_kernel,
     )
     return DeviceStep(to(host.input_ids), to(host.positions), meta, to(host.logits_rows))

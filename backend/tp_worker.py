@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_kernels
 from . import device as devices
 from .loader import load_model
 from .model_runner import allocate_kv_pool
@@ -41,6 +42,7 @@ def serve(conn: Connection) -> None:
     store = make_store(store_port, spec.world_size, False)
     tp.group = new_process_group(device, spec.rank, spec.world_size, store)
     kv_caches = allocate_kv_pool(model, num_blocks, spec.block_size, dtype, device)
+    decode_kernel = spec.cpu_kernels and device.type == "cpu" and dtype == torch.float32 and cpu_kernels.load()
     logger.info("rank %d ready: %d KV heads, %d blocks on %s", spec.rank, model.num_kv_heads, num_blocks, device)
     with torch.inference_mode():
         while True:
@@ -50,7 +52,7 @@ def serve(conn: Connection) -> None:
                 break
             if kind == "stop":
                 break
-            step = to_device(host, device)
+            step = to_device(host, device, decode_kernel)
             model(step.input_ids, step.positions, kv_caches, step.meta)
 
 

@@ -49,6 +49,7 @@ class WorkerSpec:
     block_size: int
     cpu_gemm: str = "aten"  # EngineConfig.cpu_gemm
     batch_hint: int = 64  # rows the packed CPU weights are tuned for (max_num_seqs)
+    cpu_kernels: bool = False  # EngineConfig.cpu_kernels
 
 
 def python_executable() -> str:

@@ -12,6 +12,10 @@ and V, then QK^T, softmax and PV as two batched GEMMs. On a 2-core CPU at batch 
 this is 2.5 ms per layer against 8-15 ms for the token-major pool with SDPA, whose kernel pays a
 fixed cost per (sequence, head) that a single query row cannot amortise. Prompt chunks keep SDPA
 (many query rows per sequence).
+
+On a CPU in float32, decodes go through our C++ kernel instead when it is built (cpu_kernels.py):
+it reads K/V in place from the pool, so no step copies the contexts (0.45 / 1.55 / 2.0 ms per
+layer against 2.5 / 5.4 / 7.2 ms for the gather path at batch 64, contexts up to 128 / 256 / 400).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .. import cpu_kernels
 
 
 @dataclass
@@ -49,6 +55,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V go in the pool
     decode: list[AttentionGroup]  # decodes, split by context length so short ones are not padded to long ones
     prefill: AttentionGroup | None
+    decode_kernel: bool = False  # decodes through cpu_kernels.paged_decode_attention (no gather)
     rope_cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim]: looked up once per step, not per layer
     rope_sin: torch.Tensor | None = None
 
@@ -118,7 +125,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     for g in meta.decode:
         rows = slice(g.token_offset, g.token_offset + g.num_tokens)
-        out[rows] = _decode_group(q[rows], k_cache, v_cache, g, scale)
+        if meta.decode_kernel:
+            out[rows] = cpu_kernels.paged_decode_attention(q[rows], k_cache, v_cache, g.block_tables,
+                                                           g.mask.view(g.mask.shape[0], -1), scale)
+        else:
+            out[rows] = _decode_group(q[rows], k_cache, v_cache, g, scale)
     if meta.prefill is not None:
         g = meta.prefill
         if g.query_index is None:  # a single prompt chunk: no padding needed

@@ -1,0 +1,80 @@
+"""Our C++ CPU kernels (backend/csrc/), compiled once per machine on first use and cached.
+
+Today one kernel: paged decode attention that reads K/V in place from the block pool
+(csrc/paged_decode_attention.cpp). torch's JIT extension builder compiles it with the machine's
+g++ for the machine's own CPU (-march=native) into torch's extension cache
+(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions); later processes load the cached build
+in well under a second. `scripts/install.sh` builds it ahead of time so that no server start pays
+for the compiler. Where it cannot be built (no compiler, another OS), `load()` returns False with
+the reason logged and the engine keeps the pure-torch path, which gives the same results.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "error": str
+
+
+def load() -> bool:
+    """Build (first time on this machine) and register `torch.ops.tritonllm.*`; False if impossible."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                from torch.utils.cpp_extension import load as load_extension
+
+                _put_ninja_on_path()
+                # The objects use the OpenMP runtime torch already loaded (same soname, libgomp.so.1):
+                # one thread pool per process, as the rest of the engine needs (engine_loop.py).
+                load_extension(name="tritonllm_cpu_kernels", sources=[str(s) for s in _SOURCES],
+                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                _state["ok"] = True
+            except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
+                _state["ok"] = False
+                _state["error"] = f"{type(exc).__name__}: {exc}"
+                logger.warning("CPU kernels unavailable, using the torch attention path: %s", _state["error"])
+        return bool(_state["ok"])
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` (also to confirm a cached build); PyPI's ninja puts it next to
+    the venv's python, which Triton's stub process does not have on its PATH."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    path = os.environ.get("PATH", "")
+    if bin_dir and bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
+
+
+def error() -> str | None:
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [batch, heads, d]; caches [kv_heads, blocks, block_size, d]; mask [batch, width] -> [batch, heads, d]."""
+    return torch.ops.tritonllm.paged_decode_attention(q, k_cache, v_cache, block_tables, mask, scale)
+
+
+def main() -> None:
+    """`python -m tritonllm.cpu_kernels`: build now (install time) and say whether it worked."""
+    logging.basicConfig(level=logging.INFO)
+    ok = load()
+    print("tritonllm CPU kernels:", "ready" if ok else f"unavailable ({error()})")
+
+
+if __name__ == "__main__":
+    main()
