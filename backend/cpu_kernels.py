@@ -59,6 +59,11 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
 
 
+def use_for(enabled: bool, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decodes on `device` in `dtype` go through the kernel (config switch on, CPU, float32, built)."""
+    return enabled and device.type == "cpu" and dtype == torch.float32 and load()
+
+
 def error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 

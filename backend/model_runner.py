@@ -21,7 +21,7 @@ from .config import EngineConfig
 from .loader import load_hf_config, load_model
 from .sampler import SamplingBatch, choose_tokens, unpack_tokens
 from .scheduler import ScheduledSeq
-from .step_inputs import DeviceStep, HostStep, build_host_step, to_device
+from .step_inputs import MAX_DECODE_GROUPS, DeviceStep, HostStep, build_host_step, to_device
 from .tensor_parallel import TPShard, check_shardable, rank_device
 from .tp_workers import TensorParallelError, TensorParallelWorkers, WorkerSpec, make_store, new_process_group
 
@@ -85,9 +85,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_pool(m, self.num_blocks, self.block_size, dtype, device)
         # Decodes read K/V in place through our C++ kernel where it applies and builds; one decode
         # group then (the kernel skips padding instead of gathering it), else up to four.
-        self.decode_kernel = (config.cpu_kernels and device.type == "cpu" and dtype == torch.float32
-                              and cpu_kernels.load())
-        self.max_decode_groups = 1 if self.decode_kernel else 4
+        self.decode_kernel = cpu_kernels.use_for(config.cpu_kernels, device, dtype)
+        self.max_decode_groups = 1 if self.decode_kernel else MAX_DECODE_GROUPS
         logger.info("decode attention: %s", "C++ paged kernel" if self.decode_kernel else "torch (gather + batched GEMMs)")
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, %d bytes/token on this rank); max concurrency at "
                     "max_model_len=%d: %.1f", self.num_blocks, self.block_size,

@@ -14,6 +14,9 @@ import torch
 from .layers.attention import AttentionGroup, AttentionMetadata
 from .scheduler import ScheduledSeq
 
+MAX_DECODE_GROUPS = 4
+GROUP_COST_BLOCKS = 64  # one more group's fixed cost (a few small ops per KV head and layer), in gathered block rows
+
 
 @dataclass
 class HostGroup:
@@ -46,7 +49,7 @@ class DeviceStep:
 
 
 def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
-                    max_decode_groups: int = 4) -> tuple[HostStep, list[ScheduledSeq]]:
+                    max_decode_groups: int = MAX_DECODE_GROUPS) -> tuple[HostStep, list[ScheduledSeq]]:
     """The step's flat inputs, and the sequences that choose a token (in logits-row order).
 
     `max_decode_groups` 1 suits the decode kernel, which skips padding instead of gathering it.
@@ -78,10 +81,6 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
     )
     return host, sampled
-
-
-MAX_DECODE_GROUPS = 4
-GROUP_COST_BLOCKS = 64  # one more group's fixed cost (a few small ops per KV head and layer), in gathered block rows
 
 
 def split_by_length(decodes: list[ScheduledSeq], block_size: int,

@@ -42,7 +42,7 @@ def serve(conn: Connection) -> None:
     store = make_store(store_port, spec.world_size, False)
     tp.group = new_process_group(device, spec.rank, spec.world_size, store)
     kv_caches = allocate_kv_pool(model, num_blocks, spec.block_size, dtype, device)
-    decode_kernel = spec.cpu_kernels and device.type == "cpu" and dtype == torch.float32 and cpu_kernels.load()
+    decode_kernel = cpu_kernels.use_for(spec.cpu_kernels, device, dtype)
     logger.info("rank %d ready: %d KV heads, %d blocks on %s", spec.rank, model.num_kv_heads, num_blocks, device)
     with torch.inference_mode():
         while True:
