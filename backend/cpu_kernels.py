@@ -1,7 +1,9 @@
 """Our C++ CPU kernels (backend/csrc/), compiled once per machine on first use and cached.
 
-Today one kernel: paged decode attention that reads K/V in place from the block pool
-(csrc/paged_decode_attention.cpp). torch's JIT extension builder compiles it with the machine's
+Paged decode attention that reads K/V in place from the block pool
+(csrc/paged_decode_attention.cpp), the decoder layer's fused elementwise ops: residual add +
+RMSNorm, rotary embedding + KV write, SiLU * up (csrc/fused_decoder_ops.cpp), and the greedy head's
+argmax + log-prob in one pass (csrc/greedy_head.cpp). torch's JIT extension builder compiles it with the machine's
 g++ for the machine's own CPU (-march=native) into torch's extension cache
 (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions); later processes load the cached build
 in well under a second. `scripts/install.sh` builds it ahead of time so that no server start pays
@@ -20,7 +22,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in
+            ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str
 
@@ -72,6 +75,28 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [batch, heads, d]; caches [kv_heads, blocks, block_size, d]; mask [batch, width] -> [batch, heads, d]."""
     return torch.ops.tritonllm.paged_decode_attention(q, k_cache, v_cache, block_tables, mask, scale)
+
+
+def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place); returns RMSNorm(residual) * weight. [tokens, hidden] float32."""
+    return torch.ops.tritonllm.add_rms_norm_(residual, x, weight, eps)
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Rotary on Q and K of qkv [tokens, heads + 2 kv_heads, d]; rotated K and V into the pool at
+    `slot_mapping`; returns rotated Q [tokens, heads, d]."""
+    return torch.ops.tritonllm.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[tokens, 2 * intermediate] -> SiLU(gate) * up, [tokens, intermediate]."""
+    return torch.ops.tritonllm.silu_mul(gate_up)
+
+
+def greedy_head(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [batch, vocab] float32 -> (argmax ids int64 [batch], their log-probs float32 [batch])."""
+    return torch.ops.tritonllm.greedy_head(logits)
 
 
 def main() -> None:

@@ -85,9 +85,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_pool(m, self.num_blocks, self.block_size, dtype, device)
         # Decodes read K/V in place through our C++ kernel where it applies and builds; one decode
         # group then (the kernel skips padding instead of gathering it), else up to four.
-        self.decode_kernel = cpu_kernels.use_for(config.cpu_kernels, device, dtype)
-        self.max_decode_groups = 1 if self.decode_kernel else MAX_DECODE_GROUPS
-        logger.info("decode attention: %s", "C++ paged kernel" if self.decode_kernel else "torch (gather + batched GEMMs)")
+        self.use_cpu_kernels = cpu_kernels.use_for(config.cpu_kernels, device, dtype)
+        self.max_decode_groups = 1 if self.use_cpu_kernels else MAX_DECODE_GROUPS
+        logger.info("decode attention: %s", "C++ paged kernel" if self.use_cpu_kernels else "torch (gather + batched GEMMs)")
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, %d bytes/token on this rank); max concurrency at "
                     "max_model_len=%d: %.1f", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,
@@ -149,7 +149,7 @@ class ModelRunner:
     # ---- inputs ------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         host, sampled = build_host_step(scheduled, self.block_size, self.max_decode_groups)
-        return StepInputs(host, to_device(host, self.device, self.decode_kernel), sampled, self._sampling_batch(sampled))
+        return StepInputs(host, to_device(host, self.device, self.use_cpu_kernels), sampled, self._sampling_batch(sampled))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -203,7 +203,7 @@ class ModelRunner:
         if not inputs.sampled:
             return [], []
         logits = self.model.compute_logits(hidden[dev.logits_rows])
-        packed = choose_tokens(logits, inputs.sampling)
+        packed = choose_tokens(logits, inputs.sampling, self.use_cpu_kernels)
         return unpack_tokens(packed.cpu().numpy())  # the step's one device -> host transfer
 
     def forward_dummy(self, num_tokens_per_seq: list[int]) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import cpu_kernels
+
 
 @dataclass
 class SamplingBatch:
@@ -25,8 +27,14 @@ class SamplingBatch:
     banned_ids: torch.Tensor | None = None
 
 
-def choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [batch, vocab] -> int32 [2, batch]: token ids and the float32 bits of their log-probs."""
+def choose_tokens(logits: torch.Tensor, batch: SamplingBatch, cpu_kernel: bool = False) -> torch.Tensor:
+    """logits [batch, vocab] -> int32 [2, batch]: token ids and the float32 bits of their log-probs.
+
+    `cpu_kernel`: an all-greedy float32 batch goes through our C++ greedy head (cpu_kernels.py).
+    """
+    if cpu_kernel and batch.temperatures is None and batch.banned_rows is None and logits.dtype == torch.float32:
+        ids, chosen = cpu_kernels.greedy_head(logits)
+        return torch.stack([ids.to(torch.int32), chosen.view(torch.int32)])
     logits = logits.float()
     if batch.banned_rows is not None:
         logits[batch.banned_rows, batch.banned_ids] = float("-inf")

@@ -145,7 +145,7 @@ def _group(items: list[ScheduledSeq], token_offset: int, bs: int) -> HostGroup:
     return HostGroup(tables, mask[:, None, :, :], query_index, output_index, token_offset, sum(q_lens))
 
 
-def to_device(host: HostStep, device: torch.device, decode_kernel: bool = False) -> DeviceStep:
+def to_device(host: HostStep, device: torch.device, use_cpu_kernels: bool = False) -> DeviceStep:
     def to(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
 
@@ -160,6 +160,6 @@ def to_device(host: HostStep, device: torch.device, decode_kernel: bool = False)
         slot_mapping=to(host.slot_mapping),
         decode=[group(g) for g in host.decode],
         prefill=group(host.prefill) if host.prefill is not None else None,
-        decode_kernel=decode_kernel,
+        cpu_kernels=use_cpu_kernels,
     )
     return DeviceStep(to(host.input_ids), to(host.positions), meta, to(host.logits_rows))

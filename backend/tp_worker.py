@@ -42,7 +42,7 @@ def serve(conn: Connection) -> None:
     store = make_store(store_port, spec.world_size, False)
     tp.group = new_process_group(device, spec.rank, spec.world_size, store)
     kv_caches = allocate_kv_pool(model, num_blocks, spec.block_size, dtype, device)
-    decode_kernel = cpu_kernels.use_for(spec.cpu_kernels, device, dtype)
+    use_kernels = cpu_kernels.use_for(spec.cpu_kernels, device, dtype)
     logger.info("rank %d ready: %d KV heads, %d blocks on %s", spec.rank, model.num_kv_heads, num_blocks, device)
     with torch.inference_mode():
         while True:
@@ -52,7 +52,7 @@ def serve(conn: Connection) -> None:
                 break
             if kind == "stop":
                 break
-            step = to_device(host, device, decode_kernel)
+            step = to_device(host, device, use_kernels)
             model(step.input_ids, step.positions, kv_caches, step.meta)
 
 

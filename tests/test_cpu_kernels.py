@@ -1,4 +1,4 @@
-"""Our C++ paged decode attention against the torch path it replaces, and the engine with it on and off."""
+"""Our C++ CPU kernels against the torch paths they replace, and the engine with them on and off."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tritonllm import cpu_kernels
-from tritonllm.layers.attention import AttentionGroup, _decode_group
+from tritonllm.layers.attention import AttentionGroup, _decode_group, write_kv
+from tritonllm.layers.rotary import RotaryEmbedding
 
 # Where a compiler exists the kernels must build: a broken build must not hide behind the fallback.
 pytestmark = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
@@ -52,6 +54,73 @@ def test_kernel_rejects_bad_block_ids():
         cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, 0.125)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 64, 300])
+def test_add_rms_norm_equals_torch(tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    residual, x = torch.randn(tokens, 576, generator=gen), torch.randn(tokens, 576, generator=gen) * 3
+    weight = torch.rand(576, generator=gen) + 0.5
+    expected_residual = residual + x
+    expected = F.rms_norm(expected_residual, (576,), weight, 1e-5)
+    got = cpu_kernels.add_rms_norm_(residual, x, weight, 1e-5)
+    torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)  # updated in place
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_mul_equals_torch_including_extreme_gates():
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(9, 2 * 1536, generator=gen) * 5
+    gate_up[0, :4] = torch.tensor([-200.0, -90.0, 90.0, 200.0])  # exp over/underflow territory
+    gate, up = gate_up.split(1536, dim=-1)
+    got = cpu_kernels.silu_mul(gate_up)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads", [(1, 9, 3), (64, 9, 3), (37, 8, 2)])
+def test_rope_write_kv_equals_rotary_and_write_kv(tokens, heads, kv_heads):
+    gen = torch.Generator().manual_seed(tokens)
+    head_dim, num_blocks, block_size = 64, 40, 16
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=gen)
+    rotary = RotaryEmbedding(type("Cfg", (), {"rope_theta": 100000.0})(), head_dim, 2048)
+    cos, sin = rotary.lookup(torch.randint(0, 2048, (tokens,), generator=gen), torch.float32)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    k_ref = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    v_ref = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    k_got, v_got = k_ref.clone(), v_ref.clone()
+    qk = rotary.apply(qkv[:, :heads + kv_heads], cos, sin)
+    write_kv(k_ref, v_ref, qk[:, heads:], qkv[:, heads + kv_heads:], slots)
+    q = cpu_kernels.rope_write_kv(qkv, cos, sin, k_got, v_got, slots, heads, kv_heads)
+    torch.testing.assert_close(q, qk[:, :heads], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_got, k_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_got, v_ref, rtol=0, atol=0)
+
+
+def test_rope_write_kv_rejects_bad_slots_and_dtypes():
+    qkv = torch.randn(2, 3, 8)
+    cos, sin = torch.ones(2, 1, 8), torch.zeros(2, 1, 8)
+    k_cache, v_cache = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.rope_write_kv(qkv, cos, sin, k_cache, v_cache, torch.tensor([0, 8]), 1, 1)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.rope_write_kv(qkv, cos, sin, k_cache, v_cache, torch.tensor([-1, 0]), 1, 1)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        cpu_kernels.rope_write_kv(qkv.double(), cos, sin, k_cache, v_cache, torch.tensor([0, 1]), 1, 1)
+    assert not k_cache.any() and not v_cache.any()  # nothing written by a rejected call
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 49152), (64, 1000)])
+def test_greedy_head_equals_torch_path(rows, vocab):
+    from tritonllm.sampler import SamplingBatch, choose_tokens, unpack_tokens
+
+    gen = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, vocab, generator=gen) * 8
+    logits[0, vocab // 2] = logits[0, vocab - 1] = logits[0].max() + 1  # a tie: the lower index wins
+    ids, logprobs = unpack_tokens(choose_tokens(logits.clone(), SamplingBatch(), cpu_kernel=True).numpy())
+    ref_ids, ref_logprobs = unpack_tokens(choose_tokens(logits.clone(), SamplingBatch()).numpy())
+    assert ids == ref_ids and ids[0] == vocab // 2
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-5)
+
+
 def test_engine_tokens_equal_with_and_without_kernel():
     from tritonllm.config import EngineConfig
     from tritonllm.engine import Engine
@@ -62,6 +131,6 @@ def test_engine_tokens_equal_with_and_without_kernel():
     outputs = {}
     for on in (True, False):
         engine = Engine(EngineConfig(device="cpu", num_threads=2, cpu_kernels=on, num_kv_blocks=256, warmup=False))
-        assert engine.runner.decode_kernel is on
+        assert engine.runner.use_cpu_kernels is on
         outputs[on] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outputs[True] == outputs[False]

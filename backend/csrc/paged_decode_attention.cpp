@@ -119,7 +119,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 
 }  // namespace
 
-TORCH_LIBRARY(tritonllm, m) {
+TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor mask, "
         "float scale) -> Tensor");
 }

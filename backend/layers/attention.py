@@ -55,7 +55,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V go in the pool
     decode: list[AttentionGroup]  # decodes, split by context length so short ones are not padded to long ones
     prefill: AttentionGroup | None
-    decode_kernel: bool = False  # decodes through cpu_kernels.paged_decode_attention (no gather)
+    cpu_kernels: bool = False  # decodes and the layers' elementwise ops through our C++ CPU kernels (cpu_kernels.py)
     rope_cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim]: looked up once per step, not per layer
     rope_sin: torch.Tensor | None = None
 
@@ -125,7 +125,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     for g in meta.decode:
         rows = slice(g.token_offset, g.token_offset + g.num_tokens)
-        if meta.decode_kernel:
+        if meta.cpu_kernels:
             out[rows] = cpu_kernels.paged_decode_attention(q[rows], k_cache, v_cache, g.block_tables,
                                                            g.mask.view(g.mask.shape[0], -1), scale)
         else:

@@ -1,9 +1,12 @@
-"""RMSNorm, computed in float32 whatever the activation dtype (as the reference models do)."""
+"""RMSNorm, computed in float32 whatever the activation dtype (as the reference models do), and
+the residual add folded into it."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from .. import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -19,3 +22,10 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """residual += x (in place), then the norm of it; `fused`: one pass in our C++ kernel
+        (float32 CPU, cpu_kernels.py)."""
+        if fused:
+            return cpu_kernels.add_rms_norm_(residual, x, self.weight, self.eps)
+        return self(residual.add_(x))

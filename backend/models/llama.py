@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_kernels
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
 from ..layers.linear import Linear, pack_linears, pack_weight, packed_linear
 from ..layers.norm import RMSNorm
@@ -40,11 +41,14 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = self.rotary.apply(qkv[:, :self.num_heads + self.num_kv_heads], meta.rope_cos, meta.rope_sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.num_heads + self.num_kv_heads:]
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if meta.cpu_kernels:  # rotary + KV write in one pass
+            q = cpu_kernels.rope_write_kv(qkv, meta.rope_cos, meta.rope_sin, k_cache, v_cache, meta.slot_mapping,
+                                          self.num_heads, self.num_kv_heads)
+        else:
+            qk = self.rotary.apply(qkv[:, :self.num_heads + self.num_kv_heads], meta.rope_cos, meta.rope_sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            write_kv(k_cache, v_cache, k, qkv[:, self.num_heads + self.num_kv_heads:], meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
 
@@ -60,9 +64,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if fused:
+            act = cpu_kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,9 +82,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
 
-    def forward(self, positions, hidden, kv_cache, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, kv_cache, meta):
+        """`residual` is the stream so far, `hidden` the previous layer's MLP output to add to it
+        (None before the first layer): each add is folded into the norm that follows it.
+        Returns this layer's MLP output and the residual stream (updated in place)."""
+        fused = meta.cpu_kernels
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm.add_and_norm(residual, hidden, fused)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.post_attention_layernorm.add_and_norm(residual, hidden, fused)
+        return self.mlp(hidden, fused), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -114,11 +132,11 @@ class LlamaForCausalLM(nn.Module):
         return self.config.num_hidden_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         meta.rope_cos, meta.rope_sin = self.rotary.lookup(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, meta)
-        return hidden
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        return residual.add_(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(hidden)
