@@ -8,8 +8,11 @@
 // One work item is (sequence, KV head): its query heads share every K/V row it reads. Items are
 // visited shortest and longest sequence alternately so the two halves that at::parallel_for hands
 // to the threads hold about the same number of keys (decodes arrive sorted by length).
-// Built with -ffast-math for vectorised expf: nothing here produces an infinity or a NaN (masked
-// keys are skipped, never scored), which that flag requires.
+// K and V are read in one pass, block by block (online softmax): score the block's keys, update each
+// query head's running max, sum and output (rescaled only when the max grows), add the block's V
+// rows. The next block's lines are prefetched: blocks are scattered 4 KB pages.
+// Built with -ffast-math: nothing here produces an infinity or a NaN (masked keys are skipped,
+// never scored), which that flag requires.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -51,56 +54,61 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   }
 
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * W);
-    std::vector<float> row_max(G), row_sum(G);
+    std::vector<float> scores(G * BS), row_max(G), row_sum(G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t k = item / KVH, h = item % KVH;
       const int64_t b = (k % 2 == 0) ? k / 2 : B - 1 - k / 2;  // shortest, longest, next shortest, ...
       const float* qh = qp + (b * H + h * G) * D;
       const int64_t* table = tp + b * MAXB;
       const bool* m = mp + b * W;
+      float* oh = op + (b * H + h * G) * D;
+      std::fill(oh, oh + G * D, 0.f);
       std::fill(row_max.begin(), row_max.end(), -FLT_MAX);
-      std::fill(scores.begin(), scores.end(), 0.f);  // masked keys stay finite for the vectorised exp
+      std::fill(row_sum.begin(), row_sum.end(), 0.f);
       for (int64_t j = 0; j < MAXB; ++j) {
+        const bool* mb = m + j * BS;
+        int64_t valid = 0;
+        for (int64_t t = 0; t < BS; ++t) valid += mb[t];
+        if (valid == 0) continue;  // padding or a pruned block
+        if (j + 1 < MAXB) {  // the next block's K and V lines: its own pages, which the hardware cannot guess
+          const char* nk = reinterpret_cast<const char*>(kp + ((h * NB + table[j + 1]) * BS) * D);
+          const char* nv = reinterpret_cast<const char*>(vp + ((h * NB + table[j + 1]) * BS) * D);
+          for (int64_t off = 0; off < BS * D * 4; off += 64) {
+            __builtin_prefetch(nk + off, 0, 2);
+            __builtin_prefetch(nv + off, 0, 2);
+          }
+        }
         const float* kb = kp + ((h * NB + table[j]) * BS) * D;
-        for (int64_t t = 0; t < BS; ++t) {
-          const int64_t w = j * BS + t;
-          if (!m[w]) continue;
-          const float* kr = kb + t * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qr = qh + g * D;
+        const float* vb = vp + ((h * NB + table[j]) * BS) * D;
+        // This block's scores, then an online-softmax update of each query head's running max,
+        // sum and output (rescaled only when the max grows), then its V rows: one pass over K and V.
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qr = qh + g * D;
+          float* s = scores.data() + g * BS;
+          float bmax = -FLT_MAX;
+          for (int64_t t = 0; t < BS; ++t) {
+            if (!mb[t]) continue;
+            const float* kr = kb + t * D;
             float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
             for (int64_t d = 0; d < D; ++d) acc += qr[d] * kr[d];
-            acc *= fscale;
-            scores[g * W + w] = acc;
-            row_max[g] = std::max(row_max[g], acc);
+            s[t] = acc * fscale;
+            bmax = std::max(bmax, s[t]);
           }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * W;
-        const float mx = row_max[g];
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t w = 0; w < W; ++w) {
-          const float e = m[w] ? std::exp(s[w] - mx) : 0.f;
-          s[w] = e;
-          sum += e;
-        }
-        row_sum[g] = sum;
-      }
-      float* oh = op + (b * H + h * G) * D;
-      std::fill(oh, oh + G * D, 0.f);
-      for (int64_t j = 0; j < MAXB; ++j) {
-        const float* vb = vp + ((h * NB + table[j]) * BS) * D;
-        for (int64_t t = 0; t < BS; ++t) {
-          const int64_t w = j * BS + t;
-          if (!m[w]) continue;
-          const float* vr = vb + t * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * W + w];
-            float* o = oh + g * D;
+          float* o = oh + g * D;
+          if (bmax > row_max[g]) {
+            const float corr = row_max[g] == -FLT_MAX ? 0.f : std::exp(row_max[g] - bmax);
+            row_sum[g] *= corr;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] *= corr;
+            row_max[g] = bmax;
+          }
+          const float mx = row_max[g];
+          for (int64_t t = 0; t < BS; ++t) {
+            if (!mb[t]) continue;
+            const float p = std::exp(s[t] - mx);
+            row_sum[g] += p;
+            const float* vr = vb + t * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
           }
