@@ -160,7 +160,8 @@ class Comparison:
         if a.ours_url:
             desc = f"tritonllm on the running server at {a.ours_url}, tritonclient gRPC streaming"
         else:
-            desc = ("tritonllm on tritonserver (nvidia-pytriton 0.7.0), fp32, tritonclient gRPC streaming; "
+            dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(params.get("dtype", ""), "fp32")  # CPU auto = fp32
+            desc = (f"tritonllm on tritonserver (nvidia-pytriton 0.7.0), {dtype}, tritonclient gRPC streaming; "
                     + ", ".join(f"{k}={v}" for k, v in params.items()))
 
         def measure(url: str, ready_s):
