@@ -36,7 +36,7 @@ class EngineConfig:
     max_queue_size: int = 0  # 0: unbounded waiting queue
     num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default; per rank with tensor parallelism)
     cpu_gemm: str = "onednn"  # CPU linears: oneDNN with weights packed once (onednn) or torch's F.linear (aten)
-    cpu_kernels: bool = True  # CPU float32 decodes through our C++ paged attention (built once; torch path if not)
+    cpu_kernels: bool = True  # CPU float32: our C++ kernels (decode attention, fused layer ops, greedy head); torch path if unbuilt
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each; see tp_workers.py)
     warmup: bool = True
     enable_metrics: bool = True  # Triton /metrics families (serving only)
