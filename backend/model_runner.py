@@ -83,11 +83,13 @@ class ModelRunner:
             self.close()
             raise
         self.kv_caches = allocate_kv_pool(m, self.num_blocks, self.block_size, dtype, device)
-        # Decodes read K/V in place through our C++ kernel where it applies and builds; one decode
-        # group then (the kernel skips padding instead of gathering it), else up to four.
+        # Our C++ CPU kernels where they apply and build (decode attention reading K/V in place, the
+        # layers' fused elementwise ops, the greedy head); one decode group then (the kernel skips
+        # padding instead of gathering it), else up to four.
         self.use_cpu_kernels = cpu_kernels.use_for(config.cpu_kernels, device, dtype)
         self.max_decode_groups = 1 if self.use_cpu_kernels else MAX_DECODE_GROUPS
-        logger.info("decode attention: %s", "C++ paged kernel" if self.use_cpu_kernels else "torch (gather + batched GEMMs)")
+        logger.info("kernels: %s", "our C++ CPU kernels" if self.use_cpu_kernels
+                    else "torch (decode attention as gather + batched GEMMs)")
         logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, %d bytes/token on this rank); max concurrency at "
                     "max_model_len=%d: %.1f", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,
