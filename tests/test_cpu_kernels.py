@@ -21,9 +21,9 @@ def built():
     assert cpu_kernels.load(), cpu_kernels.error()
 
 
-def _case(batch: int, kv_heads: int, per_kv: int, max_blocks: int, seed: int):
+def _case(batch: int, kv_heads: int, per_kv: int, max_blocks: int, seed: int, head_dim: int = 64, block_size: int = 16):
     gen = torch.Generator().manual_seed(seed)
-    head_dim, block_size, num_blocks = 64, 16, batch * max_blocks + 8
+    num_blocks = batch * max_blocks + 8
     k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
     v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
     tables = torch.randperm(num_blocks, generator=gen)[:batch * max_blocks].view(batch, max_blocks)
@@ -36,15 +36,36 @@ def _case(batch: int, kv_heads: int, per_kv: int, max_blocks: int, seed: int):
     return q, k_cache, v_cache, tables, mask
 
 
-@pytest.mark.parametrize("batch,kv_heads,per_kv,max_blocks", [(1, 1, 1, 1), (5, 3, 3, 4), (64, 3, 3, 20), (7, 2, 4, 9)])
-def test_kernel_equals_torch_path(batch, kv_heads, per_kv, max_blocks):
-    q, k_cache, v_cache, tables, mask = _case(batch, kv_heads, per_kv, max_blocks, seed=batch)
+# head_dim 64 / 128 with block size 16 / 32 take the vector path; head_dim 48 and block size 8 do not
+# divide into AVX-512 registers and take the scalar one.
+@pytest.mark.parametrize("batch,kv_heads,per_kv,max_blocks,head_dim,block_size", [
+    (1, 1, 1, 1, 64, 16), (5, 3, 3, 4, 64, 16), (64, 3, 3, 20, 64, 16), (7, 2, 4, 9, 64, 16),
+    (6, 2, 4, 5, 128, 16), (4, 3, 3, 3, 64, 32), (5, 3, 3, 4, 48, 16), (5, 3, 3, 6, 64, 8)])
+def test_kernel_equals_torch_path(batch, kv_heads, per_kv, max_blocks, head_dim, block_size):
+    q, k_cache, v_cache, tables, mask = _case(batch, kv_heads, per_kv, max_blocks, seed=batch, head_dim=head_dim,
+                                              block_size=block_size)
     scale = q.shape[-1] ** -0.5
     group = AttentionGroup(block_tables=tables, mask=mask[:, None, None, :], query_index=None, output_index=None,
                            token_offset=0, num_tokens=batch)
     expected = _decode_group(q, k_cache, v_cache, group, scale)
     got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (48, 16)])
+def test_kernel_never_reads_rows_outside_the_mask(head_dim, block_size):
+    # Slots past a sequence's length or pruned from its window may hold anything (the pool is not
+    # cleared): NaN there must not reach the output.
+    q, k_cache, v_cache, tables, mask = _case(6, 3, 3, 5, seed=3, head_dim=head_dim, block_size=block_size)
+    scale = head_dim ** -0.5
+    expected = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, scale)
+    for b in range(tables.shape[0]):
+        for pos in (~mask[b]).nonzero().flatten().tolist():
+            block, offset = tables[b, pos // block_size], pos % block_size
+            k_cache[:, block, offset] = float("nan")
+            v_cache[:, block, offset] = float("nan")
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, scale)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_kernel_rejects_bad_block_ids():
