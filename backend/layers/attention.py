@@ -122,6 +122,11 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim] (K/V already written) -> [tokens, heads, head_dim]."""
+    if meta.cpu_kernels and meta.prefill is None and len(meta.decode) == 1 and meta.decode[0].num_tokens == len(q):
+        # A decode-only step (most steps): the kernel's result is the whole output, no copy into one.
+        g = meta.decode[0]
+        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables,
+                                                  g.mask.view(g.mask.shape[0], -1), scale)
     out = torch.empty_like(q)
     for g in meta.decode:
         rows = slice(g.token_offset, g.token_offset + g.num_tokens)
