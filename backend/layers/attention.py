@@ -14,8 +14,9 @@ fixed cost per (sequence, head) that a single query row cannot amortise. Prompt 
 (many query rows per sequence).
 
 On a CPU in float32, decodes go through our C++ kernel instead when it is built (cpu_kernels.py):
-it reads K/V in place from the pool, so no step copies the contexts (0.45 / 1.55 / 2.0 ms per
-layer against 2.5 / 5.4 / 7.2 ms for the gather path at batch 64, contexts up to 128 / 256 / 400).
+it reads K/V in place from the pool, so no step copies the contexts (0.6 / 1.1 / 1.8 ms per layer
+with every block from DRAM, against 2.5 / 5.4 / 7.2 ms for the gather path at batch 64, contexts
+up to 128 / 256 / 384-400).
 """
 
 from __future__ import annotations
