@@ -17,7 +17,7 @@
 // AVX2 register): each key's q.k is accumulated as VL partial sums, then VL keys' partials are
 // folded into one vector of VL scores by pairwise shuffles (log2(VL) levels), so no key pays for a
 // horizontal sum of its own; softmax weights use a vector exp. At batch 64 this halves the kernel's
-// time with K/V in cache and, with the prefetches spread through it, takes 2.5 -> 1.4 ms per layer
+// time with K/V in cache and, with the prefetches spread through it, takes 2.8 -> 1.8 ms per layer
 // at contexts up to 384 with K/V from DRAM (docs/PERFORMANCE.md). Shapes the vector path does not
 // cover (head_dim or block_size not a multiple of VL) take a scalar path with the same results.
 // Built with -ffast-math: nothing here produces an infinity or a NaN (masked keys get a finite
@@ -54,7 +54,6 @@ inline vf load(const float* p) {
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 // Lanes (0,1), (2,3), ... of a, then of b, each pair summed: [a0+a1, a2+a3, ..., b0+b1, ...].
-#if defined(__clang__)
 #if TRITONLLM_VL == 16
 #define TRITONLLM_EVEN 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define TRITONLLM_ODD 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
@@ -63,20 +62,12 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 #define TRITONLLM_ODD 1, 3, 5, 7, 9, 11, 13, 15
 #endif
 inline vf pair_sums(vf a, vf b) {
+#if defined(__clang__)
   return __builtin_shufflevector(a, b, TRITONLLM_EVEN) + __builtin_shufflevector(a, b, TRITONLLM_ODD);
-}
 #else
-inline vf pair_sums(vf a, vf b) {
-#if TRITONLLM_VL == 16
-  const vi even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const vi odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-#else
-  const vi even = {0, 2, 4, 6, 8, 10, 12, 14};
-  const vi odd = {1, 3, 5, 7, 9, 11, 13, 15};
+  return __builtin_shuffle(a, b, vi{TRITONLLM_EVEN}) + __builtin_shuffle(a, b, vi{TRITONLLM_ODD});
 #endif
-  return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
 }
-#endif
 
 // p[t] holds VL partial sums of key t; returns lane t = key t's total. Each level halves the
 // vectors and keeps every lane pair inside one key, so after log2(VL) levels lane t is key t.
