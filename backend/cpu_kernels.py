@@ -3,7 +3,8 @@
 Paged decode attention that reads K/V in place from the block pool
 (csrc/paged_decode_attention.cpp), the decoder layer's fused elementwise ops: residual add +
 RMSNorm, rotary embedding + KV write, SiLU * up (csrc/fused_decoder_ops.cpp), and the greedy head's
-argmax + log-prob in one pass (csrc/greedy_head.cpp). torch's JIT extension builder compiles it with the machine's
+argmax + log-prob in one pass (csrc/greedy_head.cpp), and on AVX-512 CPUs the float32 GEMM for the
+linears, weights packed once (csrc/packed_gemm.cpp). torch's JIT extension builder compiles it with the machine's
 g++ for the machine's own CPU (-march=native) into torch's extension cache
 (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions); later processes load the cached build
 in well under a second. `scripts/install.sh` builds it ahead of time so that no server start pays
@@ -23,7 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
-            ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp")]
+            ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str
 
@@ -97,6 +98,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def greedy_head(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [batch, vocab] float32 -> (argmax ids int64 [batch], their log-probs float32 [batch])."""
     return torch.ops.tritonllm.greedy_head(logits)
+
+
+def packed_gemm_supported() -> bool:
+    """Whether our GEMM runs here: the kernels built, for a CPU with AVX-512 (checked at build time)."""
+    return load() and bool(torch.ops.tritonllm.packed_gemm_supported())
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] float32 -> [ceil(out / 32), in, 32] panels, the layout `packed_gemm` reads."""
+    return torch.ops.tritonllm.pack_gemm_weight(weight)
+
+
+def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., in] @ W^T (+ bias) -> [..., out_features], W as packed by `pack_gemm_weight`."""
+    return torch.ops.tritonllm.packed_gemm(x, packed, bias, out_features)
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .layers.linear import onednn_packing_supported
+from .layers.linear import resolve_cpu_gemm
 from .models.llama import LlamaForCausalLM
 from .tensor_parallel import SINGLE, TPShard
 
@@ -52,8 +52,9 @@ def load_hf_config(folder: Path):
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_position: int,
                tp: TPShard = SINGLE, cpu_gemm: str = "aten", batch_hint: int = 64) -> LlamaForCausalLM:
-    """`cpu_gemm="onednn"` packs the GEMM weights for oneDNN on a CPU (layers/linear.py), tuned for
-    `batch_hint` rows; elsewhere, or where this torch lacks it, the weights stay as they are."""
+    """On a CPU, `cpu_gemm` "avx512" or "onednn" packs the GEMM weights once for that kernel
+    (layers/linear.py; oneDNN's layout tuned for `batch_hint` rows), falling back to the next one
+    down where it cannot run; "aten", and accelerators, keep the weights as they are."""
     cfg = load_hf_config(folder)
     model = LlamaForCausalLM(cfg, max_position, tp)
     model.load_hf_state_dict(_SafetensorsIndex(folder))
@@ -62,10 +63,11 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     model = model.to(device=device, dtype=dtype)
     model.rotary.cos, model.rotary.sin = cos.to(device), sin.to(device)
     model.eval()
-    if cpu_gemm == "onednn" and onednn_packing_supported(device, dtype):
-        model.pack_for_cpu(batch_hint)
-    elif cpu_gemm == "onednn" and device.type == "cpu":
-        logger.warning("oneDNN packed linears are not available for %s in this torch build: using aten", dtype)
+    kernel = resolve_cpu_gemm(cpu_gemm, device, dtype)
+    if device.type == "cpu" and kernel != cpu_gemm:
+        logger.warning("cpu_gemm=%s cannot run for %s on this CPU and build: using %s", cpu_gemm, dtype, kernel)
+    if kernel != "aten":
+        model.pack_for_cpu(kernel, batch_hint)
     return model
 
 

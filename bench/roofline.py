@@ -51,14 +51,17 @@ def gemm_rates(threads: int, hidden: int = 576, intermediate: int = 1536, vocab:
     a, b = torch.randn(2048, 2048, generator=gen), torch.randn(2048, 2048, generator=gen)
     x = torch.randn(batch, hidden, generator=gen)
     w_up, w_head = torch.randn(intermediate, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen)
-    from tritonllm.layers.linear import onednn_packing_supported, pack_weight, packed_linear
+    from tritonllm import cpu_kernels
+    from tritonllm.layers.linear import PackedWeight, onednn_packing_supported
 
     def both(x, w, flops) -> dict:
-        """aten's rate, oneDNN's with the weight packed once, and the better of the two (best/median)."""
+        """aten's rate, oneDNN's and ours (AVX-512) with the weight packed once, and the best of them (best/median)."""
         rates = {"aten": _rate(lambda: F.linear(x, w), flops)}
-        if onednn_packing_supported(x.device, x.dtype):
-            packed = pack_weight(w, x.shape[0])
-            rates["onednn"] = _rate(lambda: packed_linear(x, packed, None), flops)
+        kernels = (["onednn"] if onednn_packing_supported(x.device, x.dtype) else []) + (
+            ["avx512"] if x.dtype == torch.float32 and cpu_kernels.packed_gemm_supported() else [])
+        for kernel in kernels:
+            packed = PackedWeight(w, kernel, x.shape[0])
+            rates[kernel] = _rate(lambda: packed(x, None), flops)
         return {**max(rates.values(), key=lambda r: r["gflops_best"]), "by_library": rates}
 
     return {

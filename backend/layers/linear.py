@@ -1,12 +1,16 @@
-"""Linear layers whose CPU GEMMs run through oneDNN with the weight packed once at load.
+"""Linear layers whose CPU GEMMs run on a weight packed once at load, by our kernel or oneDNN.
 
-On x86 CPUs `F.linear` calls MKL on the plain [out, in] weight at every step. oneDNN can instead
-keep the weight in its own blocked layout, reordered once, so each call streams it straight into
-its AVX-512/AVX2 kernels. For the decode shapes of a small model this is what the CPU spends most
-of a step on, and the packed path is 1.2-2x faster (AMD EPYC, 2 threads, fp32: [64,576]x[576,960]
-157 -> 203 GFLOPS, the LM head [64,576]x[576,49152] 96 -> 201, [8,576]x[576,3072] 70 -> 176; see
-docs/PERFORMANCE.md). It is the same primitive torch's own compiler uses when it freezes a CPU
-model's linears. Accelerators keep `F.linear`.
+On x86 CPUs `F.linear` calls MKL on the plain [out, in] weight at every step. For the decode shapes
+of a small model the GEMMs are most of a step, and a weight packed once into a kernel's own layout
+streams straight into its FMAs:
+- `avx512`: our kernel (csrc/packed_gemm.cpp), 32-column panels streamed once per call. At the
+  1-64 rows a decode step runs it overlaps that stream with the arithmetic: 1.6x oneDNN at 1-8 rows,
+  1.2x at 32, equal from 128 on (AMD EPYC, 2 threads, fp32, cold weights; docs/PERFORMANCE.md).
+  float32 on CPUs with AVX-512; elsewhere it falls back to oneDNN.
+- `onednn`: oneDNN's blocked layout, the primitive torch's own compiler uses when it freezes a CPU
+  model's linears; 1.2-2x `F.linear` ([64,576]x[576,960] 157 -> 203 GFLOPS, the LM head
+  [64,576]x[576,49152] 96 -> 201). float32 and bfloat16.
+- `aten`: torch's `F.linear` on the plain weight. Accelerators always use it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 
@@ -26,39 +32,62 @@ def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
-    """[out, in] weight -> oneDNN's blocked layout (an opaque tensor only `packed_linear` reads).
+def resolve_cpu_gemm(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The GEMM kernel the linears get for `cpu_gemm=requested`: the request, or the next one down
+    (avx512 -> onednn -> aten) where it cannot run on this device, dtype, CPU or torch build."""
+    if device.type != "cpu":
+        return "aten"
+    if requested == "avx512" and dtype == torch.float32 and cpu_kernels.packed_gemm_supported():
+        return "avx512"
+    if requested in ("avx512", "onednn") and onednn_packing_supported(device, dtype):
+        return "onednn"
+    return "aten"
 
-    `batch_hint` is the row count oneDNN tunes the layout for; any row count works with it.
+
+class PackedWeight:
+    """An [out, in] weight packed once for a CPU GEMM kernel; `self(x, bias)` is `F.linear(x, W, bias)`.
+
+    `batch_hint` is the row count oneDNN tunes its layout for (any row count works with it).
     """
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
 
+    def __init__(self, weight: torch.Tensor, kernel: str, batch_hint: int):
+        self.kernel = kernel
+        self.out_features = weight.size(0)
+        weight = weight.detach().contiguous()
+        if kernel == "avx512":
+            self.data = cpu_kernels.pack_gemm_weight(weight)
+        elif kernel == "onednn":
+            self.data = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        else:
+            raise ValueError(f"no packed layout for cpu_gemm={kernel!r}")
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.kernel == "avx512":
+            return cpu_kernels.packed_gemm(x, self.data, bias, self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.data, bias, "none", [], "")
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can hand its weight to oneDNN (`pack`) and then frees the plain copy."""
+    """nn.Linear that can hand its weight to a packed CPU kernel (`pack`) and then frees the plain copy."""
 
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
-    def pack(self, batch_hint: int) -> None:
-        self.packed = pack_weight(self.weight, batch_hint)
+    def pack(self, kernel: str, batch_hint: int) -> None:
+        self.packed = PackedWeight(self.weight, kernel, batch_hint)
         # Rebind rather than resize: the plain weight may be shared (tied embeddings).
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
+            return self.packed(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module, batch_hint: int) -> int:
-    """Pack every `Linear` of `model` for oneDNN; returns how many were packed."""
+def pack_linears(model: nn.Module, kernel: str, batch_hint: int) -> int:
+    """Pack every `Linear` of `model` for `kernel` ("avx512" or "onednn"); returns how many were packed."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.packed is None:
-            module.pack(batch_hint)
+            module.pack(kernel, batch_hint)
             count += 1
     return count

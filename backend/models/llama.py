@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import cpu_kernels
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
-from ..layers.linear import Linear, pack_linears, pack_weight, packed_linear
+from ..layers.linear import Linear, PackedWeight, pack_linears
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..tensor_parallel import SINGLE, TPShard
@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tied_head_packed: torch.Tensor | None = None  # the tied LM head in oneDNN's layout (pack_for_cpu)
+        self.tied_head_packed: PackedWeight | None = None  # the tied LM head, packed (pack_for_cpu)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -143,17 +143,17 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden)
         if self.tied_head_packed is not None:
-            return packed_linear(hidden, self.tied_head_packed, None)
+            return self.tied_head_packed(hidden, None)
         return F.linear(hidden, self.embed_tokens.weight)
 
-    def pack_for_cpu(self, batch_hint: int) -> None:
-        """Every GEMM weight (and the LM head) into oneDNN's packed layout (layers/linear.py).
+    def pack_for_cpu(self, kernel: str, batch_hint: int) -> None:
+        """Every GEMM weight (and the LM head) packed for `kernel`, "avx512" or "onednn" (layers/linear.py).
 
         A tied LM head gets its own packed copy: the embedding lookup still needs the plain table.
         """
-        pack_linears(self, batch_hint)
+        pack_linears(self, kernel, batch_hint)
         if self.lm_head is None:
-            self.tied_head_packed = pack_weight(self.embed_tokens.weight, batch_hint)
+            self.tied_head_packed = PackedWeight(self.embed_tokens.weight, kernel, batch_hint)
 
     def load_hf_state_dict(self, tensors) -> None:
         """Copy Hugging Face weights into the fused layout, keeping only this rank's shard.
