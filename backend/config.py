@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "longest_output_first")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_GEMMS = ("avx512", "onednn", "aten")
 
 
@@ -28,6 +29,7 @@ class EngineConfig:
     num_kv_blocks: int = 0  # 0: size the pool from memory (kv_cache_memory_fraction)
     kv_cache_memory_fraction: float = 0.5
     kv_cache_max_bytes: int = 2 << 30  # CPU cap on the pool, so one model cannot take all RAM
+    kv_cache_dtype: str = "auto"  # the pool's element type; auto: the model's dtype (16-bit halves KV memory and reads)
     enable_prefix_caching: bool = True
     kv_window: int = 0  # recent-window KV pruning: keep this many recent tokens (0: off)
     kv_window_ratio: float = 0.0  # ... or this fraction of the prompt (0: off)
@@ -67,6 +69,8 @@ class EngineConfig:
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ConfigError(f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
         dev = self.device.split(":")[0]

@@ -50,6 +50,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`auto`: the model's own dtype (K/V stored exactly as computed)."""
+    return model_dtype if name == "auto" else resolve_dtype(name, torch.device("cpu"))
+
+
 def set_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -54,6 +54,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = devices.resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = sorted(eos_token_ids)
@@ -75,14 +76,14 @@ class ModelRunner:
             logger.info("loaded %s (%s, %s, tensor-parallel rank 0 of %d) in %.1f s", model_dir, device, dtype,
                         self.tp_size, time.perf_counter() - started)
             m = self.model
-            self.kv_bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * torch.tensor([], dtype=dtype).element_size()
+            self.kv_bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
             self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
             if self.workers is not None:
                 self._connect_workers()
         except BaseException:
             self.close()
             raise
-        self.kv_caches = allocate_kv_pool(m, self.num_blocks, self.block_size, dtype, device)
+        self.kv_caches = allocate_kv_pool(m, self.num_blocks, self.block_size, self.kv_dtype, device)
         # Our C++ CPU kernels where they apply and build (decode attention reading K/V in place, the
         # layers' fused elementwise ops, the greedy head); one decode group then (the kernel skips
         # padding instead of gathering it), else up to four.
@@ -90,8 +91,8 @@ class ModelRunner:
         self.max_decode_groups = 1 if self.use_cpu_kernels else MAX_DECODE_GROUPS
         logger.info("kernels: %s", "our C++ CPU kernels" if self.use_cpu_kernels
                     else "torch (decode attention as gather + batched GEMMs)")
-        logger.info("KV pool: %d blocks x %d tokens (%.1f MiB, %d bytes/token on this rank); max concurrency at "
-                    "max_model_len=%d: %.1f", self.num_blocks, self.block_size,
+        logger.info("KV pool: %d blocks x %d tokens, %s (%.1f MiB, %d bytes/token on this rank); max concurrency "
+                    "at max_model_len=%d: %.1f", self.num_blocks, self.block_size, str(self.kv_dtype).removeprefix("torch."),
                     self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,
                     self.kv_bytes_per_token, max_model_len, self.num_blocks * self.block_size / max_model_len)
 
@@ -102,6 +103,7 @@ class ModelRunner:
     def _worker_spec(self, model_dir: Path, rank: int) -> WorkerSpec:
         threads = self._threads_per_rank() if self.device.type == "cpu" else 0
         return WorkerSpec(model_dir=str(model_dir), dtype=str(self.dtype).removeprefix("torch."),
+                          kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
                           device=str(rank_device(self.device, rank)), max_model_len=self.max_model_len,
                           rank=rank, world_size=self.tp_size, num_threads=threads, block_size=self.block_size,
                           cpu_gemm=self.config.cpu_gemm, batch_hint=self.config.max_num_seqs,

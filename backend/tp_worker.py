@@ -41,9 +41,10 @@ def serve(conn: Connection) -> None:
     _, store_port, num_blocks = conn.recv()
     store = make_store(store_port, spec.world_size, False)
     tp.group = new_process_group(device, spec.rank, spec.world_size, store)
-    kv_caches = allocate_kv_pool(model, num_blocks, spec.block_size, dtype, device)
+    kv_caches = allocate_kv_pool(model, num_blocks, spec.block_size, getattr(torch, spec.kv_cache_dtype), device)
     use_kernels = cpu_kernels.use_for(spec.cpu_kernels, device, dtype)
-    logger.info("rank %d ready: %d KV heads, %d blocks on %s", spec.rank, model.num_kv_heads, num_blocks, device)
+    logger.info("rank %d ready: %d KV heads, %d blocks of %s on %s", spec.rank, model.num_kv_heads, num_blocks,
+                str(kv_caches[0][0].dtype).removeprefix("torch."), device)
     with torch.inference_mode():
         while True:
             try:

@@ -52,6 +52,25 @@ def test_kernel_equals_torch_path(batch, kv_heads, per_kv, max_blocks, head_dim,
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+# A 16-bit pool (kv_cache_dtype): the kernel widens each row as it loads it, the torch path converts
+# the gathered blocks; both then do float32 arithmetic on the same values.
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch,kv_heads,per_kv,max_blocks,head_dim,block_size", [
+    (64, 3, 3, 20, 64, 16), (6, 2, 4, 5, 128, 16), (4, 3, 3, 3, 64, 32), (5, 3, 3, 4, 48, 16)])
+def test_kernel_equals_torch_path_on_a_16_bit_pool(kv_dtype, batch, kv_heads, per_kv, max_blocks, head_dim,
+                                                   block_size):
+    q, k_cache, v_cache, tables, mask = _case(batch, kv_heads, per_kv, max_blocks, seed=batch, head_dim=head_dim,
+                                              block_size=block_size)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    scale = head_dim ** -0.5
+    group = AttentionGroup(block_tables=tables, mask=mask[:, None, None, :], query_index=None, output_index=None,
+                           token_offset=0, num_tokens=batch)
+    expected = _decode_group(q, k_cache, v_cache, group, scale)
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, scale)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (48, 16)])
 def test_kernel_never_reads_rows_outside_the_mask(head_dim, block_size):
     # Slots past a sequence's length or pruned from its window may hold anything (the pool is not
@@ -97,22 +116,26 @@ def test_silu_mul_equals_torch_including_extreme_gates():
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens,heads,kv_heads", [(1, 9, 3), (64, 9, 3), (37, 8, 2)])
-def test_rope_write_kv_equals_rotary_and_write_kv(tokens, heads, kv_heads):
+def test_rope_write_kv_equals_rotary_and_write_kv(tokens, heads, kv_heads, kv_dtype):
     gen = torch.Generator().manual_seed(tokens)
     head_dim, num_blocks, block_size = 64, 40, 16
     qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=gen)
     rotary = RotaryEmbedding(type("Cfg", (), {"rope_theta": 100000.0})(), head_dim, 2048)
     cos, sin = rotary.lookup(torch.randint(0, 2048, (tokens,), generator=gen), torch.float32)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
-    k_ref = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
-    v_ref = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    k_ref = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(kv_dtype)
+    v_ref = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(kv_dtype)
     k_got, v_got = k_ref.clone(), v_ref.clone()
     qk = rotary.apply(qkv[:, :heads + kv_heads], cos, sin)
     write_kv(k_ref, v_ref, qk[:, heads:], qkv[:, heads + kv_heads:], slots)
     q = cpu_kernels.rope_write_kv(qkv, cos, sin, k_got, v_got, slots, heads, kv_heads)
     torch.testing.assert_close(q, qk[:, :heads], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k_got, k_ref, rtol=1e-5, atol=1e-5)
+    # Rotated K may differ from torch's in the last float32 bit, which can move a 16-bit rounding by
+    # one step; V is stored as it came, rounded the same way as torch's .to().
+    k_tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[kv_dtype]
+    torch.testing.assert_close(k_got, k_ref, rtol=k_tol, atol=k_tol)
     torch.testing.assert_close(v_got, v_ref, rtol=0, atol=0)
 
 
@@ -126,6 +149,8 @@ def test_rope_write_kv_rejects_bad_slots_and_dtypes():
         cpu_kernels.rope_write_kv(qkv, cos, sin, k_cache, v_cache, torch.tensor([-1, 0]), 1, 1)
     with pytest.raises(RuntimeError, match="float32 only"):
         cpu_kernels.rope_write_kv(qkv.double(), cos, sin, k_cache, v_cache, torch.tensor([0, 1]), 1, 1)
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16 pool"):
+        cpu_kernels.rope_write_kv(qkv, cos, sin, k_cache.double(), v_cache.double(), torch.tensor([0, 1]), 1, 1)
     assert not k_cache.any() and not v_cache.any()  # nothing written by a rejected call
 
 
@@ -142,7 +167,8 @@ def test_greedy_head_equals_torch_path(rows, vocab):
     assert logprobs == pytest.approx(ref_logprobs, abs=1e-5)
 
 
-def test_engine_tokens_equal_with_and_without_kernel():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_engine_tokens_equal_with_and_without_kernel(kv_cache_dtype):
     from tritonllm.config import EngineConfig
     from tritonllm.engine import Engine
 
@@ -151,7 +177,8 @@ def test_engine_tokens_equal_with_and_without_kernel():
     params = {"max_tokens": 24, "temperature": 0.0}
     outputs = {}
     for on in (True, False):
-        engine = Engine(EngineConfig(device="cpu", num_threads=2, cpu_kernels=on, num_kv_blocks=256, warmup=False))
+        engine = Engine(EngineConfig(device="cpu", num_threads=2, cpu_kernels=on, num_kv_blocks=256, warmup=False,
+                                     kv_cache_dtype=kv_cache_dtype))
         assert engine.runner.use_cpu_kernels is on
         outputs[on] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outputs[True] == outputs[False]

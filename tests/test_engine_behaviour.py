@@ -102,6 +102,8 @@ def test_bad_config_names_the_parameter():
         EngineConfig.from_parameters({"maxseqs": "4"})
     with pytest.raises(ConfigError, match="device"):
         EngineConfig(device="tpu")
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
+        EngineConfig.from_parameters({"kv_cache_dtype": "int8"})
 
 
 def test_prefix_cache_hits_and_gives_identical_outputs(engine, model_dir):

@@ -65,6 +65,24 @@ def test_two_ranks_give_the_same_greedy_ids_as_one(engine, tp_engine):
     assert not tp_engine.has_unfinished() and tp_engine.block_manager.num_used_blocks == 0
 
 
+def test_two_ranks_with_a_float16_kv_cache_give_the_same_greedy_ids_as_one(model_dir, capfd):
+    # Each worker allocates its own pool: it must use the configured KV dtype too, not the model's
+    # (short greedy outputs do not tell them apart, so the worker's own report is checked as well).
+    from tritonllm.config import EngineConfig
+    from tritonllm.engine import Engine
+
+    prompts = PLAIN_PROMPTS[:3]
+    one = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16", warmup=False))
+    expected = [o.token_ids for o in one.generate(prompts, GREEDY)]
+    two = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16",
+                              tensor_parallel_size=2, warmup=False))
+    try:
+        assert [o.token_ids for o in two.generate(prompts, GREEDY)] == expected
+    finally:
+        two.close()
+    assert "rank 1 ready: 1 KV heads, 128 blocks of float16" in capfd.readouterr().err
+
+
 def test_a_shard_count_the_model_cannot_take_is_refused(model_dir):
     from tritonllm.config import ConfigError, EngineConfig
     from tritonllm.engine import Engine

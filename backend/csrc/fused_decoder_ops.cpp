@@ -6,14 +6,17 @@
 //   layer's attention and its MLP, and between layers, folded into the next norm).
 // - rope_write_kv: rotary embedding of Q and K (rotate-half convention) straight out of the fused
 //   QKV projection, the rotated K and the V written into the paged pool at the step's slots; returns
-//   the rotated Q.
+//   the rotated Q. The pool may be float16 or bfloat16 (`kv_cache_dtype`): K and V are rounded to it
+//   (to nearest even, as torch's .to()) as they are stored.
 // - silu_mul: SiLU(gate) * up from the fused gate/up projection.
 //
-// float32 only (the CPU default); the computation per element is the reference one, only the
+// float32 activations only (the CPU default); the computation per element is the reference one, only the
 // summation order of RMSNorm's mean and FMA contraction differ (-ffast-math), ~1e-7 relative.
 // SiLU's exp argument is clamped so that -ffast-math never meets an infinity.
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -63,16 +66,64 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
   return out;
 }
 
+template <typename T>  // the pool's element type
+void rope_write_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                     at::Tensor& v_cache, const int64_t* sp, at::Tensor& q_out, int64_t num_heads, int64_t num_kv_heads) {
+  const int64_t T_ = qkv.size(0), D = qkv.size(2), half = D / 2;
+  const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  float* qp = q_out.data_ptr<float>();
+  T* kp = k_cache.data_ptr<T>();
+  T* vp = v_cache.data_ptr<T>();
+  const int64_t row = (num_heads + 2 * num_kv_heads) * D;
+  at::parallel_for(0, T_, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* x = src + t * row;
+      const float* c = cp + t * D;
+      const float* s = snp + t * D;
+      // Q heads, then K heads: out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float* xh = x + h * D;
+        float* dst = qp + (t * num_heads + h) * D;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          dst[i] = xh[i] * c[i] - xh[i + half] * s[i];
+          dst[i + half] = xh[i + half] * c[i + half] + xh[i] * s[i + half];
+        }
+      }
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const float* xh = x + (num_heads + h) * D;
+        T* dst = kp + (h * num_slots + sp[t]) * D;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          dst[i] = static_cast<T>(xh[i] * c[i] - xh[i + half] * s[i]);
+          dst[i + half] = static_cast<T>(xh[i + half] * c[i + half] + xh[i] * s[i + half]);
+        }
+      }
+      const float* v = x + (num_heads + num_kv_heads) * D;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        T* dst = vp + (h * num_slots + sp[t]) * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(v[h * D + i]);
+      }
+    }
+  });
+}
+
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                          at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
   check_float(qkv, "rope_write_kv");
   check_float(cos, "rope_write_kv");
   check_float(sin, "rope_write_kv");
-  check_float(k_cache, "rope_write_kv");
-  check_float(v_cache, "rope_write_kv");
+  const at::ScalarType kv = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kv && (kv == at::kFloat || kv == at::kHalf || kv == at::kBFloat16),
+              "rope_write_kv: a float32, float16 or bfloat16 pool");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_write_kv: contiguous pool");
   TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == num_heads + 2 * num_kv_heads,
               "rope_write_kv: qkv [tokens, heads + 2 * kv_heads, head_dim]");
-  const int64_t T = qkv.size(0), D = qkv.size(2), half = D / 2;
+  const int64_t T = qkv.size(0), D = qkv.size(2);
   TORCH_CHECK(D % 2 == 0 && cos.numel() == T * D && sin.numel() == T * D, "rope_write_kv: cos/sin [tokens, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == num_kv_heads && k_cache.size(3) == D &&
               v_cache.sizes() == k_cache.sizes(), "rope_write_kv: caches [kv_heads, blocks, block_size, head_dim]");
@@ -84,36 +135,13 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_write_kv: slot out of range");
   }
   at::Tensor q_out = at::empty({T, num_heads, D}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* snp = sin.data_ptr<float>();
-  float* qp = q_out.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
-  const int64_t row = (num_heads + 2 * num_kv_heads) * D;
-  at::parallel_for(0, T, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* x = src + t * row;
-      const float* c = cp + t * D;
-      const float* s = snp + t * D;
-      // Q heads, then K heads: out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
-      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
-        const float* xh = x + h * D;
-        float* dst = h < num_heads ? qp + (t * num_heads + h) * D : kp + ((h - num_heads) * num_slots + sp[t]) * D;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          dst[i] = xh[i] * c[i] - xh[i + half] * s[i];
-          dst[i + half] = xh[i + half] * c[i + half] + xh[i] * s[i + half];
-        }
-      }
-      const float* v = x + (num_heads + num_kv_heads) * D;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        float* dst = vp + (h * num_slots + sp[t]) * D;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) dst[i] = v[h * D + i];
-      }
-    }
-  });
+  if (kv == at::kHalf) {
+    rope_write_rows<c10::Half>(qkv, cos, sin, k_cache, v_cache, sp, q_out, num_heads, num_kv_heads);
+  } else if (kv == at::kBFloat16) {
+    rope_write_rows<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, sp, q_out, num_heads, num_kv_heads);
+  } else {
+    rope_write_rows<float>(qkv, cos, sin, k_cache, v_cache, sp, q_out, num_heads, num_kv_heads);
+  }
   return q_out;
 }
 

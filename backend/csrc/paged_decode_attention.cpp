@@ -3,7 +3,9 @@
 //
 // Layout (layers/attention.py): q [batch, heads, head_dim]; k_cache, v_cache [kv_heads, num_blocks,
 // block_size, head_dim]; block_tables [batch, max_blocks] int64; mask [batch, max_blocks * block_size]
-// bool (true = attend: inside the context and not pruned). float32 only.
+// bool (true = attend: inside the context and not pruned). q and the result are float32; the pool is
+// float32, float16 or bfloat16 (`kv_cache_dtype`): 16-bit rows are widened to float32 as they are
+// loaded (F16C / a shift), so the arithmetic is the same and only half the bytes come from memory.
 //
 // One work item is (sequence, KV head): its query heads share every K/V row it reads. Items are
 // visited shortest and longest sequence alternately so the two halves that at::parallel_for hands
@@ -24,6 +26,8 @@
 // -1e30 score and are never read from V), which that flag requires.
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -32,6 +36,9 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -52,6 +59,39 @@ inline vf load(const float* p) {
 }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// VL consecutive K or V elements of the pool as float32.
+inline vf load_row(const float* p) { return load(p); }
+
+template <typename T>
+inline vf widen_each(const T* p) {  // any CPU: one element at a time
+  vf v;
+  for (int i = 0; i < VL; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+template <typename W>
+inline vf as_vf(W w) {
+  static_assert(sizeof(W) == sizeof(vf), "one register of VL floats");
+  vf v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+#if TRITONLLM_VL == 16
+inline vf load_row(const c10::Half* p) { return as_vf(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))); }
+inline vf load_row(const c10::BFloat16* p) {  // bfloat16 is the top half of a float32
+  return as_vf(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+inline vf load_row(const c10::Half* p) { return as_vf(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))); }
+inline vf load_row(const c10::BFloat16* p) {
+  return as_vf(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#else
+inline vf load_row(const c10::Half* p) { return widen_each(p); }
+inline vf load_row(const c10::BFloat16* p) { return widen_each(p); }
+#endif
 
 // Lanes (0,1), (2,3), ... of a, then of b, each pair summed: [a0+a1, a2+a3, ..., b0+b1, ...].
 #if TRITONLLM_VL == 16
@@ -140,8 +180,8 @@ inline void rescale(HeadState& st, float bmax, float* o, int64_t D) {
 
 // One block for all G query heads, vector path. DV = head_dim / VL (a compile-time constant so the
 // row's vectors stay in registers).
-template <int DV>
-void block_vec(const float* qh, const float* kb, const float* vb, const bool* mb, bool full, const Shapes& s,
+template <typename T, int DV>
+void block_vec(const float* qh, const T* kb, const T* vb, const bool* mb, bool full, const Shapes& s,
                float scale, HeadState* st, float* oh, float* scores, NextBlock& next) {
   constexpr int64_t D = DV * VL;
   for (int64_t g = 0; g < s.G; ++g) {
@@ -151,10 +191,10 @@ void block_vec(const float* qh, const float* kb, const float* vb, const bool* mb
     for (int64_t t0 = 0; t0 < s.BS; t0 += VL) {
       vf part[VL];
       for (int t = 0; t < VL; ++t) {
-        const float* kr = kb + (t0 + t) * D;
+        const T* kr = kb + (t0 + t) * D;
         next.step();
-        vf acc = qv[0] * load(kr);
-        for (int c = 1; c < DV; ++c) acc += qv[c] * load(kr + c * VL);
+        vf acc = qv[0] * load_row(kr);
+        for (int c = 1; c < DV; ++c) acc += qv[c] * load_row(kr + c * VL);
         part[t] = acc;
       }
       store(sc + t0, fold_keys(part) * scale);
@@ -176,8 +216,8 @@ void block_vec(const float* qh, const float* kb, const float* vb, const bool* mb
       }
       next.step();
       const vf w = vf{} + sc[t];
-      const float* vr = vb + t * D;
-      for (int c = 0; c < DV; ++c) acc[c] += w * load(vr + c * VL);
+      const T* vr = vb + t * D;
+      for (int c = 0; c < DV; ++c) acc[c] += w * load_row(vr + c * VL);
     }
     for (int c = 0; c < DV; ++c) store(o + c * VL, acc[c]);
     float total = 0.f;
@@ -187,7 +227,8 @@ void block_vec(const float* qh, const float* kb, const float* vb, const bool* mb
 }
 
 // One block for all G query heads, scalar path (any head_dim and block size).
-void block_scalar(const float* qh, const float* kb, const float* vb, const bool* mb, bool, const Shapes& s,
+template <typename T>
+void block_scalar(const float* qh, const T* kb, const T* vb, const bool* mb, bool, const Shapes& s,
                   float scale, HeadState* st, float* oh, float* scores, NextBlock& next) {
   next.all();
   const int64_t D = s.D;
@@ -196,10 +237,10 @@ void block_scalar(const float* qh, const float* kb, const float* vb, const bool*
     float bmax = -FLT_MAX;
     for (int64_t t = 0; t < s.BS; ++t) {
       if (!mb[t]) continue;
-      const float* kr = kb + t * D;
+      const T* kr = kb + t * D;
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-      for (int64_t d = 0; d < D; ++d) acc += qr[d] * kr[d];
+      for (int64_t d = 0; d < D; ++d) acc += qr[d] * static_cast<float>(kr[d]);
       scores[t] = acc * scale;
       bmax = std::max(bmax, scores[t]);
     }
@@ -209,57 +250,40 @@ void block_scalar(const float* qh, const float* kb, const float* vb, const bool*
       if (!mb[t]) continue;
       const float w = std::exp(scores[t] - st[g].max);
       st[g].sum += w;
-      const float* vr = vb + t * D;
+      const T* vr = vb + t * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] += w * vr[d];
+      for (int64_t d = 0; d < D; ++d) o[d] += w * static_cast<float>(vr[d]);
     }
   }
 }
 
-using BlockFn = void (*)(const float*, const float*, const float*, const bool*, bool, const Shapes&, float,
-                         HeadState*, float*, float*, NextBlock&);
+template <typename T>
+using BlockFn = void (*)(const float*, const T*, const T*, const bool*, bool, const Shapes&, float, HeadState*,
+                         float*, float*, NextBlock&);
 
-BlockFn block_fn(const Shapes& s) {
-  if (s.BS % VL != 0) return &block_scalar;
+template <typename T>
+BlockFn<T> block_fn(const Shapes& s) {
+  if (s.BS % VL != 0) return &block_scalar<T>;
   switch (s.D) {
-    case 2 * VL: return &block_vec<2>;
-    case 4 * VL: return &block_vec<4>;
-    case 8 * VL: return &block_vec<8>;
-    case 16 * VL: return &block_vec<16>;
-    default: return &block_scalar;
+    case 2 * VL: return &block_vec<T, 2>;
+    case 4 * VL: return &block_vec<T, 4>;
+    case 8 * VL: return &block_vec<T, 8>;
+    case 16 * VL: return &block_vec<T, 16>;
+    default: return &block_scalar<T>;
   }
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables_in, const at::Tensor& mask_in, double scale) {
-  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "paged_decode_attention: q [B,H,D], k/v cache [KVH,NB,BS,D]");
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "paged_decode_attention: float32 only");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous pool");
-  const at::Tensor q = q_in.contiguous();
-  const at::Tensor tables = block_tables_in.to(at::kLong).contiguous();
-  const at::Tensor mask = mask_in.to(at::kBool).contiguous();
-  Shapes s;
-  s.B = q.size(0), s.H = q.size(1), s.D = q.size(2);
-  s.KVH = k_cache.size(0), s.NB = k_cache.size(1), s.BS = k_cache.size(2);
-  s.MAXB = tables.size(1), s.W = s.MAXB * s.BS;
-  TORCH_CHECK(k_cache.size(3) == s.D && s.H % s.KVH == 0, "paged_decode_attention: head shapes");
-  TORCH_CHECK(tables.size(0) == s.B && mask.numel() == s.B * s.W, "paged_decode_attention: table/mask shapes");
-  s.G = s.H / s.KVH;  // query heads per KV head
-  at::Tensor out = at::empty_like(q);
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+            const at::Tensor& mask, const Shapes& s, float fscale, at::Tensor& out) {
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const bool* mp = mask.data_ptr<bool>();
   float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  for (int64_t i = 0; i < s.B * s.MAXB; ++i) {
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < s.NB, "paged_decode_attention: block id out of range");
-  }
-  const BlockFn attend_block = block_fn(s);
-  const int64_t block_floats = s.BS * s.D;
+  const BlockFn<T> attend_block = block_fn<T>(s);
+  const int64_t block_elems = s.BS * s.D;
   const int64_t calls_per_block = 2 * s.G * s.BS;  // NextBlock::step calls in block_vec: scoring, then adding V
 
   at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t begin, int64_t end) {
@@ -281,13 +305,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
         if (valid == 0) continue;  // padding or a pruned block
         NextBlock next;
         if (j + 1 < s.MAXB) {
-          next.k = reinterpret_cast<const char*>(kp + (h * s.NB + table[j + 1]) * block_floats);
-          next.v = reinterpret_cast<const char*>(vp + (h * s.NB + table[j + 1]) * block_floats);
-          next.bytes = block_floats * 4;
+          next.k = reinterpret_cast<const char*>(kp + (h * s.NB + table[j + 1]) * block_elems);
+          next.v = reinterpret_cast<const char*>(vp + (h * s.NB + table[j + 1]) * block_elems);
+          next.bytes = block_elems * static_cast<int64_t>(sizeof(T));
           next.per_call = (next.bytes / 64 + calls_per_block - 1) / calls_per_block;
         }
-        const float* kb = kp + (h * s.NB + table[j]) * block_floats;
-        const float* vb = vp + (h * s.NB + table[j]) * block_floats;
+        const T* kb = kp + (h * s.NB + table[j]) * block_elems;
+        const T* vb = vp + (h * s.NB + table[j]) * block_elems;
         attend_block(qh, kb, vb, mb, valid == s.BS, s, fscale, st.data(), oh, scores.data(), next);
       }
       for (int64_t g = 0; g < s.G; ++g) {
@@ -298,6 +322,40 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
       }
     }
   });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables_in, const at::Tensor& mask_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: q [B,H,D], k/v cache [KVH,NB,BS,D]");
+  const at::ScalarType kv = k_cache.scalar_type();
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat, "paged_decode_attention: float32 queries only");
+  TORCH_CHECK(v_cache.scalar_type() == kv && (kv == at::kFloat || kv == at::kHalf || kv == at::kBFloat16),
+              "paged_decode_attention: a float32, float16 or bfloat16 pool");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous pool");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor tables = block_tables_in.to(at::kLong).contiguous();
+  const at::Tensor mask = mask_in.to(at::kBool).contiguous();
+  Shapes s;
+  s.B = q.size(0), s.H = q.size(1), s.D = q.size(2);
+  s.KVH = k_cache.size(0), s.NB = k_cache.size(1), s.BS = k_cache.size(2);
+  s.MAXB = tables.size(1), s.W = s.MAXB * s.BS;
+  TORCH_CHECK(k_cache.size(3) == s.D && s.H % s.KVH == 0, "paged_decode_attention: head shapes");
+  TORCH_CHECK(tables.size(0) == s.B && mask.numel() == s.B * s.W, "paged_decode_attention: table/mask shapes");
+  s.G = s.H / s.KVH;  // query heads per KV head
+  at::Tensor out = at::empty_like(q);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < s.B * s.MAXB; ++i) {
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < s.NB, "paged_decode_attention: block id out of range");
+  }
+  const float fscale = static_cast<float>(scale);
+  if (kv == at::kHalf) {
+    attend<c10::Half>(q, k_cache, v_cache, tables, mask, s, fscale, out);
+  } else if (kv == at::kBFloat16) {
+    attend<c10::BFloat16>(q, k_cache, v_cache, tables, mask, s, fscale, out);
+  } else {
+    attend<float>(q, k_cache, v_cache, tables, mask, s, fscale, out);
+  }
   return out;
 }
 

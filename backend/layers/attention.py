@@ -63,10 +63,12 @@ class AttentionMetadata:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k_cache: [kv_heads, num_blocks, block_size, head_dim]; k: [tokens, kv_heads, head_dim]."""
+    """k_cache: [kv_heads, num_blocks, block_size, head_dim]; k: [tokens, kv_heads, head_dim].
+
+    K and V are rounded to the pool's dtype (`kv_cache_dtype`) as they are stored."""
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
-    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, flat_tables: torch.Tensor) -> torch.Tensor:
@@ -92,6 +94,7 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     for h in range(kv_heads):
         k = torch.index_select(k_cache[h].view(k_cache.shape[1], -1), 0, flat_tables).view(batch, width, head_dim)
         v = torch.index_select(v_cache[h].view(v_cache.shape[1], -1), 0, flat_tables).view(batch, width, head_dim)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a no-op unless kv_cache_dtype differs from the model's
         scores = torch.baddbmm(bias, q[:, h], k.transpose(1, 2), alpha=scale)  # [batch, per_kv, width]
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
         torch.bmm(probs, v, out=out[h])
@@ -107,8 +110,8 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     width = group.block_tables.shape[1] * k_cache.shape[2]
     flat_tables = group.block_tables.reshape(-1)
     # -> [batch, kv_heads, width, d] (a strided view; SDPA reads it in place)
-    k = _gather(k_cache, flat_tables).view(kv_heads, batch, width, head_dim).transpose(0, 1)
-    v = _gather(v_cache, flat_tables).view(kv_heads, batch, width, head_dim).transpose(0, 1)
+    k = _gather(k_cache, flat_tables).to(q.dtype).view(kv_heads, batch, width, head_dim).transpose(0, 1)
+    v = _gather(v_cache, flat_tables).to(q.dtype).view(kv_heads, batch, width, head_dim).transpose(0, 1)
     # [batch, max_q, kv_heads, per_kv, d] -> [batch, kv_heads, max_q * per_kv, d]
     q = q.view(batch, max_q, kv_heads, per_kv, head_dim).permute(0, 2, 1, 3, 4).reshape(
         batch, kv_heads, max_q * per_kv, head_dim)
