@@ -33,6 +33,7 @@ from .config import ConfigError, config_from_triton
 from .embedding_config import EmbeddingConfig
 from .embedding_engine import EmbeddingEngine
 from .embedding_request import EmbeddingOutput
+from . import orphan_guard
 from .request_parsing import MAX_TEXT_BYTES, _bool, _scalar, _text
 from .sampling_params import InvalidRequestError
 
@@ -78,6 +79,7 @@ def parse_embedding_request(inputs: dict[str, np.ndarray], parameters_json: str 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+        self._orphan_guard = orphan_guard.start()  # this stub must not outlive tritonserver (orphan_guard.py)
         self.model_config = json.loads(args["model_config"])
         try:
             config = embedding_config_from_triton(args, self.model_config)

@@ -28,6 +28,7 @@ from .engine import Engine, QueueFullError
 from .engine_loop import EngineDeadError, EngineLoop
 from .outputs import RequestOutput
 from .metrics import EngineMetrics
+from . import orphan_guard
 from .request_parsing import ParsedRequest, parse_request
 from .sampling_params import InvalidRequestError
 
@@ -90,6 +91,7 @@ class _Active:
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+        self._orphan_guard = orphan_guard.start()  # this stub must not outlive tritonserver (orphan_guard.py)
         self.model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException(

@@ -1,0 +1,93 @@
+"""A model's stub process never outlives its tritonserver (backend/orphan_guard.py).
+
+Without the guard, `kill -9` of tritonserver left the smollm2 stub running (~3 GB, still using
+CPU): its own parent check deadlocked behind a call to the dead server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import write_variant_repo
+
+pytestmark = pytest.mark.server
+
+
+def _children(pid: int, marker: str) -> list[int]:
+    """Live processes whose parent is `pid` and whose command line contains `marker`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != b"Z" and marker in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2:].split()[0] != b"Z"
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if _alive(p)]
+        if not left:
+            return []
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+def _start(tmp_path: Path):
+    from tritonllm.server import TritonServer
+
+    repo = write_variant_repo(tmp_path / "repo", warmup="false")
+    server = TritonServer(repo, log_path=tmp_path / "tritonserver.log",
+                          extra_args=["--model-control-mode=explicit", "--load-model=smollm2"])
+    server.start()
+    [stub] = _children(server.process.pid, "triton_python_backend_stub")
+    [guard] = _children(stub, "tritonllm.orphan_guard")
+    return server, stub, guard
+
+
+def test_the_stub_is_ended_when_tritonserver_dies_while_it_waits_on_the_server(tmp_path):
+    server, stub, guard = _start(tmp_path)
+    try:
+        # Frozen first, so the stub's response thread is surely waiting inside a call to the server
+        # (its metrics refresh, every 0.5 s) when the server dies: the case where the stub's own exit
+        # deadlocks and it would run on, with the model in memory, forever.
+        os.kill(server.process.pid, signal.SIGSTOP)
+        time.sleep(2)
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait(timeout=30)
+        left = _wait_gone([stub, guard], timeout=30)  # the guard's grace is 5 s
+    finally:
+        if _alive(stub):
+            os.kill(stub, signal.SIGKILL)  # never leave a 3 GB orphan behind a failed test
+    assert not left, f"still running after tritonserver died: {left}"
+    assert "is gone; the model's stub process" in server.log_text()
+
+
+def test_the_guard_leaves_with_the_stub_on_a_normal_stop(tmp_path):
+    server, stub, guard = _start(tmp_path)
+    assert server.stop() == 0
+    assert not _wait_gone([stub, guard], timeout=15)
+    assert "orphan guard" not in server.log_text()
