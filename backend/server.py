@@ -205,9 +205,9 @@ class TritonServer:
             return ""
         return self.log_path.read_text(errors="replace")
 
-    def _get_ok(self, path: str, timeout: float = 2.0) -> bool:
+    def _get_ok(self, path: str, timeout: float = 2.0, base: str | None = None) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
+            with urllib.request.urlopen(f"http://{base or self.http_url}{path}", timeout=timeout) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -215,6 +215,13 @@ class TritonServer:
     def is_ready(self) -> bool:
         """True when /v2/health/ready answers 200 (server up and all models loaded)."""
         return self._get_ok("/v2/health/ready")
+
+    def _metrics_up(self) -> bool:
+        """The metrics endpoint starts a little after HTTP reports ready: a scrape right after start()
+        must not be refused. True at once when metrics are switched off."""
+        if any(a.replace(" ", "") in ("--allow-metrics=false", "--allow-metrics=0") for a in self.extra_args):
+            return True
+        return self._get_ok("/metrics", base=f"127.0.0.1:{self.metrics_port}")
 
     def is_model_ready(self, name: str) -> bool:
         """True when model `name` is loaded and ready."""
@@ -247,7 +254,7 @@ class TritonServer:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
                     raise self._failure(f"exited with code {self.process.returncode} during start-up")
-                if self.is_ready():
+                if self.is_ready() and self._metrics_up():
                     return self
                 time.sleep(0.25)
             raise self._failure(f"was not ready after {self.startup_timeout:g} s")

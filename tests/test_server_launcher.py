@@ -119,6 +119,17 @@ def test_decoupled_echo_streams_over_grpc(server):
     assert server.metrics_url.startswith("http://127.0.0.1:")
 
 
+def test_start_waits_for_metrics_only_when_they_are_on(server):
+    # start() also waits for the metrics port (it opens ~40 ms after HTTP reports ready, and a scrape
+    # in between was refused); with metrics switched off there is nothing to wait for.
+    import urllib.request
+
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+        assert response.status == 200
+    with TritonServer(server.model_repository, startup_timeout=60, extra_args=["--allow-metrics=false"]) as bare:
+        assert bare.is_ready()
+
+
 def test_stop_terminates_process(server):
     # Runs last in this module: it ends the shared server.
     assert server.process.poll() is None
