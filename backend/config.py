@@ -7,7 +7,6 @@ from dataclasses import dataclass, fields
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "longest_output_first")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_GEMMS = ("avx512", "onednn", "aten")
 
 
@@ -69,8 +68,8 @@ class EngineConfig:
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in DTYPES:  # auto: the model's dtype (device.resolve_kv_cache_dtype)
+            raise ConfigError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ConfigError(f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
         dev = self.device.split(":")[0]

@@ -66,19 +66,19 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
   return out;
 }
 
-template <typename T>  // the pool's element type
+template <typename Elem>  // the pool's element type
 void rope_write_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                      at::Tensor& v_cache, const int64_t* sp, at::Tensor& q_out, int64_t num_heads, int64_t num_kv_heads) {
-  const int64_t T_ = qkv.size(0), D = qkv.size(2), half = D / 2;
+  const int64_t tokens = qkv.size(0), D = qkv.size(2), half = D / 2;
   const int64_t num_slots = k_cache.size(1) * k_cache.size(2);
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
   float* qp = q_out.data_ptr<float>();
-  T* kp = k_cache.data_ptr<T>();
-  T* vp = v_cache.data_ptr<T>();
+  Elem* kp = k_cache.data_ptr<Elem>();
+  Elem* vp = v_cache.data_ptr<Elem>();
   const int64_t row = (num_heads + 2 * num_kv_heads) * D;
-  at::parallel_for(0, T_, kRowGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* x = src + t * row;
       const float* c = cp + t * D;
@@ -95,18 +95,18 @@ void rope_write_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
       }
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const float* xh = x + (num_heads + h) * D;
-        T* dst = kp + (h * num_slots + sp[t]) * D;
+        Elem* dst = kp + (h * num_slots + sp[t]) * D;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          dst[i] = static_cast<T>(xh[i] * c[i] - xh[i + half] * s[i]);
-          dst[i + half] = static_cast<T>(xh[i + half] * c[i + half] + xh[i] * s[i + half]);
+          dst[i] = static_cast<Elem>(xh[i] * c[i] - xh[i + half] * s[i]);
+          dst[i + half] = static_cast<Elem>(xh[i + half] * c[i + half] + xh[i] * s[i + half]);
         }
       }
       const float* v = x + (num_heads + num_kv_heads) * D;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        T* dst = vp + (h * num_slots + sp[t]) * D;
+        Elem* dst = vp + (h * num_slots + sp[t]) * D;
 #pragma omp simd
-        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(v[h * D + i]);
+        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<Elem>(v[h * D + i]);
       }
     }
   });
