@@ -167,6 +167,41 @@ def test_greedy_head_equals_torch_path(rows, vocab):
     assert logprobs == pytest.approx(ref_logprobs, abs=1e-5)
 
 
+@pytest.mark.parametrize("decode_lengths,prompts", [
+    ([], [(0, 37)]),  # one prompt alone
+    ([], [(16, 90), (0, 5), (32, 17)]),  # prompt chunks after cached prefixes, padded to one another
+    ([3, 40, 41, 200], [(48, 70), (0, 2)]),  # decodes and prompt chunks in one step
+])
+def test_prompt_chunks_through_the_kernel_equal_the_sdpa_path(decode_lengths, prompts):
+    """Each prompt token goes through the decode kernel as a query row with its own causal mask."""
+    from tritonllm.layers.attention import paged_attention
+    from tritonllm.sampling_params import SamplingParams
+    from tritonllm.scheduler import ScheduledSeq
+    from tritonllm.sequence import Sequence
+    from tritonllm.step_inputs import build_host_step, to_device
+
+    block_size, kv_heads, heads, head_dim, num_blocks = 16, 3, 9, 64, 128
+    gen = torch.Generator().manual_seed(7)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    scheduled = []
+    for i, (computed, new) in enumerate([(n, 1) for n in decode_lengths] + prompts):
+        seq = Sequence(f"s{i}", list(range(computed + new)), SamplingParams())
+        seq.num_computed_tokens = computed
+        seq.block_table = [free.pop() for _ in range(-(-(computed + new) // block_size))]
+        scheduled.append(ScheduledSeq(seq, new))
+    for item in scheduled:
+        if item.num_new_tokens > 1 and item.seq.num_computed_tokens >= 2 * block_size:
+            item.seq.block_table[1] = -1  # a cached block pruned from the window (kv_window)
+    host, _ = build_host_step(scheduled, block_size, max_decode_groups=1)
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    q = torch.randn(len(host.input_ids), heads, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    expected = paged_attention(q, k_cache, v_cache, to_device(host, torch.device("cpu"), False).meta, scale)
+    got = paged_attention(q, k_cache, v_cache, to_device(host, torch.device("cpu"), True).meta, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
 def test_engine_tokens_equal_with_and_without_kernel(kv_cache_dtype):
     from tritonllm.config import EngineConfig

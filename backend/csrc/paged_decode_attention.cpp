@@ -1,5 +1,6 @@
 // Paged decode attention for CPUs: one query token per sequence, K and V read in place from the
 // block pool, so no step copies a sequence's context (the torch path gathers every block first).
+// Prompt tokens use it too, one row per token with that token's causal mask (layers/attention.py).
 //
 // Layout (layers/attention.py): q [batch, heads, head_dim]; k_cache, v_cache [kv_heads, num_blocks,
 // block_size, head_dim]; block_tables [batch, max_blocks] int64; mask [batch, max_blocks * block_size]
