@@ -10,7 +10,7 @@ head's blocks for a batch gives a contiguous [batch, context, head_dim] matrix t
 read as they are. Decodes (one query per sequence) use exactly that: per KV head, one gather of K
 and V, then QK^T, softmax and PV as two batched GEMMs. On a 2-core CPU at batch 64 and context 256
 this is 2.5 ms per layer against 8-15 ms for the token-major pool with SDPA, whose kernel pays a
-fixed cost per (sequence, head) that a single query row cannot amortise. Prompt chunks keep SDPA
+fixed cost per (sequence, head) that a single query row cannot amortise. Prompt chunks use SDPA
 (many query rows per sequence).
 
 On a CPU in float32, decodes go through our C++ kernel instead when it is built (cpu_kernels.py):
