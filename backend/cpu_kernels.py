@@ -14,15 +14,23 @@ the reason logged and the engine keeps the pure-torch path, which gives the same
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
 
 import torch
 
 logger = logging.getLogger(__name__)
 
+_NAME = "tritonllm_cpu_kernels"
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp")]
 _lock = threading.Lock()
@@ -37,17 +45,57 @@ def load() -> bool:
                 from torch.utils.cpp_extension import load as load_extension
 
                 _put_ninja_on_path()
-                # The objects use the OpenMP runtime torch already loaded (same soname, libgomp.so.1):
-                # one thread pool per process, as the rest of the engine needs (engine_loop.py).
-                load_extension(name="tritonllm_cpu_kernels", sources=[str(s) for s in _SOURCES],
-                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                build_dir = _build_directory()
+                with _build_lock(build_dir):
+                    # The objects use the OpenMP runtime torch already loaded (same soname, libgomp.so.1):
+                    # one thread pool per process, as the rest of the engine needs (engine_loop.py).
+                    load_extension(name=_NAME, sources=[str(s) for s in _SOURCES], build_directory=str(build_dir),
+                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
                 _state["ok"] = True
             except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
                 _state["ok"] = False
                 _state["error"] = f"{type(exc).__name__}: {exc}"
                 logger.warning("CPU kernels unavailable, using the torch attention path: %s", _state["error"])
         return bool(_state["ok"])
+
+
+def _build_directory() -> Path:
+    """Where torch's builder keeps this extension (TORCH_EXTENSIONS_DIR or its default root)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        return Path(_get_build_directory(_NAME, verbose=False))
+    except ImportError:  # a torch without the helper: the documented root, one folder per extension
+        from torch.utils.cpp_extension import get_default_build_root
+        path = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / _NAME
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Serialise loads of the extension across processes with a lock the kernel drops when its
+    holder dies, and clear torch's own lock file while holding it.
+
+    Every load, even of a cached build, takes torch's file lock (`build_dir/lock`, created and
+    removed by the loading process) while ninja confirms the build. A process killed in that
+    window (a server stopped during model load, a machine restarted mid-build) leaves the file
+    behind, and every later load on the machine then waits for it forever. All our loads hold this
+    lock first, so a `lock` file found while holding it belongs to no live process.
+    """
+    if fcntl is None:  # not POSIX: torch's own lock only
+        yield
+        return
+    with open(build_dir / "tritonllm.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a process that died while loading the CPU kernels", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _put_ninja_on_path() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +21,21 @@ pytestmark = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++"))
 @pytest.fixture(autouse=True)
 def built():
     assert cpu_kernels.load(), cpu_kernels.error()
+
+
+def test_a_lock_file_left_by_a_killed_load_does_not_stop_the_next_load():
+    """A process killed while loading the kernels leaves torch's lock file behind (it is an empty
+    file, removed by its creator); the next load must go on, not wait for it forever."""
+    stale = cpu_kernels._build_directory() / "lock"
+    stale.touch()
+    try:
+        done = subprocess.run([sys.executable, "-m", "tritonllm.cpu_kernels"], capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"loading the kernels waited on {stale}")
+    finally:
+        stale.unlink(missing_ok=True)
+    assert done.returncode == 0 and "ready" in done.stdout, done.stdout + done.stderr
 
 
 def _case(batch: int, kv_heads: int, per_kv: int, max_blocks: int, seed: int, head_dim: int = 64, block_size: int = 16):
