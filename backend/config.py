@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "longest_output_first")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CPU_GEMMS = ("avx512", "onednn", "aten")
+CPU_GEMMS = ("avx512", "avx512_bf16", "onednn", "aten")
 
 
 class ConfigError(ValueError):
@@ -36,7 +36,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     max_queue_size: int = 0  # 0: unbounded waiting queue
     num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default; per rank with tensor parallelism)
-    cpu_gemm: str = "avx512"  # CPU linears, weights packed once: our AVX-512 kernel (avx512; else onednn), oneDNN (onednn); or F.linear (aten)
+    # CPU linears, weights packed once: our AVX-512 kernel (avx512; else onednn), the same on bfloat16
+    # weights (avx512_bf16: faster, lossy, opt-in; else avx512), oneDNN (onednn); or F.linear (aten)
+    cpu_gemm: str = "avx512"
     cpu_kernels: bool = True  # CPU float32: our C++ kernels (decode attention, fused layer ops, greedy head); torch path if unbuilt
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each; see tp_workers.py)
     warmup: bool = True

@@ -3,9 +3,9 @@
 Paged decode attention that reads K/V in place from the block pool
 (csrc/paged_decode_attention.cpp), the decoder layer's fused elementwise ops: residual add +
 RMSNorm, rotary embedding + KV write, SiLU * up (csrc/fused_decoder_ops.cpp), and the greedy head's
-argmax + log-prob in one pass (csrc/greedy_head.cpp), and on AVX-512 CPUs the float32 GEMM for the
-linears, weights packed once (csrc/packed_gemm.cpp). torch's JIT extension builder compiles it with the machine's
-g++ for the machine's own CPU (-march=native) into torch's extension cache
+argmax + log-prob in one pass (csrc/greedy_head.cpp), and on AVX-512 CPUs the GEMM for the
+linears, weights packed once, in float32 or (opt-in) bfloat16 (csrc/packed_gemm.cpp). torch's JIT
+extension builder compiles it with the machine's g++ for the machine's own CPU (-march=native) into torch's extension cache
 (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions); later processes load the cached build
 in well under a second. `scripts/install.sh` builds it ahead of time so that no server start pays
 for the compiler. Where it cannot be built (no compiler, another OS), `load()` returns False with
@@ -161,6 +161,22 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) -> [..., out_features], W as packed by `pack_gemm_weight`."""
     return torch.ops.tritonllm.packed_gemm(x, packed, bias, out_features)
+
+
+def packed_gemm_bf16_supported() -> bool:
+    """Whether our bfloat16-weight GEMM runs here: AVX-512 with its BF16 dot products (checked at build time)."""
+    return load() and bool(torch.ops.tritonllm.packed_gemm_bf16_supported())
+
+
+def pack_gemm_weight_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] float32 -> bfloat16 [ceil(out / 32), ceil(in / 2), 32, 2]: k pairs of 32-column panels."""
+    return torch.ops.tritonllm.pack_gemm_weight_bf16(weight)
+
+
+def packed_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                     in_features: int) -> torch.Tensor:
+    """float32 x [..., in] rounded to bfloat16, @ W^T with float32 sums (+ bias) -> float32 [..., out_features]."""
+    return torch.ops.tritonllm.packed_gemm_bf16(x, packed, bias, out_features, in_features)
 
 
 def main() -> None:

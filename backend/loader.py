@@ -52,7 +52,7 @@ def load_hf_config(folder: Path):
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_position: int,
                tp: TPShard = SINGLE, cpu_gemm: str = "aten", batch_hint: int = 64) -> LlamaForCausalLM:
-    """On a CPU, `cpu_gemm` "avx512" or "onednn" packs the GEMM weights once for that kernel
+    """On a CPU, `cpu_gemm` "avx512", "avx512_bf16" or "onednn" packs the GEMM weights once for that kernel
     (layers/linear.py; oneDNN's layout tuned for `batch_hint` rows), falling back to the next one
     down where it cannot run; "aten", and accelerators, keep the weights as they are."""
     cfg = load_hf_config(folder)

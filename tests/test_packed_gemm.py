@@ -14,6 +14,13 @@ from tritonllm.layers.linear import PackedWeight, resolve_cpu_gemm
 needs_compiler = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
 avx512 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
                             reason="kernels built without AVX-512 (this CPU lacks it)")
+avx512_bf16 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_bf16_supported()),
+                                 reason="kernels built without AVX512-BF16 (this CPU lacks it)")
+
+
+def bf16_rounded(t: torch.Tensor) -> torch.Tensor:
+    """What `avx512_bf16` multiplies: the float32 value rounded to bfloat16 (nearest even)."""
+    return t.bfloat16().float()
 
 
 # Row counts around the 12-row microkernel and past a 168-row chunk (K=576); widths with a partial
@@ -64,6 +71,49 @@ def test_packed_gemm_rejects_bad_input():
         packed(torch.randn(3, 32), torch.randn(63))
 
 
+# The bfloat16-weight kernel multiplies exactly the bfloat16-rounded x and W and sums in float32:
+# against a float64 product of the rounded operands only the summation order differs.
+@avx512_bf16
+@pytest.mark.parametrize("rows,out_features,in_features", [
+    (1, 960, 576), (3, 576, 1536), (12, 3072, 576), (13, 100, 576), (40, 5, 7), (200, 96, 576), (0, 64, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_gemm_equals_the_product_of_bf16_rounded_operands(rows, out_features, in_features, with_bias):
+    gen = torch.Generator().manual_seed(rows * 5 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    got = PackedWeight(weight, "avx512_bf16", batch_hint=64)(x, bias)
+    expected = F.linear(bf16_rounded(x).double(), bf16_rounded(weight).double(), None if bias is None else bias.double())
+    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-4)
+    if rows:  # and it is not the float32 product: the rounding is real
+        assert not torch.allclose(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+
+
+@avx512_bf16
+def test_bf16_gemm_rows_do_not_depend_on_their_batch_and_leading_dims_are_kept():
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(320, 576, generator=gen), torch.randn(29, 576, generator=gen)
+    packed = PackedWeight(weight, "avx512_bf16", 64)
+    full = packed(x, None)
+    for start, end in [(0, 1), (5, 9), (11, 29)]:
+        assert torch.equal(packed(x[start:end], None), full[start:end])
+    strided = torch.randn(2, 5, 1152, generator=gen)[..., ::2]
+    assert torch.equal(packed(strided, None), packed(strided.reshape(10, 576).contiguous(), None).view(2, 5, 320))
+
+
+@avx512_bf16
+def test_bf16_gemm_rejects_bad_input():
+    packed = PackedWeight(torch.randn(64, 32), "avx512_bf16", 64)
+    with pytest.raises(RuntimeError, match="in_features"):
+        packed(torch.randn(3, 31), None)
+    with pytest.raises(RuntimeError, match="float32"):
+        packed(torch.randn(3, 32, dtype=torch.float64), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        packed(torch.randn(3, 32), torch.randn(63))
+    with pytest.raises(RuntimeError, match="pack_gemm_weight_bf16"):
+        cpu_kernels.packed_gemm_bf16(torch.randn(3, 32), cpu_kernels.pack_gemm_weight(torch.randn(64, 32)), None, 64, 32)
+
+
 @needs_compiler
 def test_cpu_gemm_falls_back_where_the_kernel_cannot_run():
     cpu = torch.device("cpu")
@@ -73,6 +123,10 @@ def test_cpu_gemm_falls_back_where_the_kernel_cannot_run():
     assert resolve_cpu_gemm("onednn", cpu, torch.float32) == "onednn"
     assert resolve_cpu_gemm("aten", cpu, torch.float32) == "aten"
     assert resolve_cpu_gemm("avx512", torch.device("cuda"), torch.float32) == "aten"
+    expected_bf16 = "avx512_bf16" if cpu_kernels.packed_gemm_bf16_supported() else expected
+    assert resolve_cpu_gemm("avx512_bf16", cpu, torch.float32) == expected_bf16
+    assert resolve_cpu_gemm("avx512_bf16", cpu, torch.bfloat16) == "onednn"  # a float32 model only
+    assert resolve_cpu_gemm("avx512_bf16", torch.device("cuda"), torch.float32) == "aten"
 
 
 @avx512
@@ -90,3 +144,32 @@ def test_engine_tokens_equal_on_every_cpu_gemm():
         assert (o_proj.packed.kernel if o_proj.packed is not None else "aten") == gemm
         outputs[gemm] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outputs["avx512"] == outputs["onednn"] == outputs["aten"]
+
+
+@avx512_bf16
+def test_engine_with_bf16_gemm_equals_float32_with_bf16_rounded_gemm_operands():
+    """`cpu_gemm=avx512_bf16` is exactly: every GEMM's x and W rounded to bfloat16, all else float32.
+
+    The reference is the plain-torch engine with its Linear weights rounded and a hook rounding
+    their inputs; the tied LM head rounds its own copy (the embedding lookup keeps float32)."""
+    from tritonllm.config import EngineConfig
+    from tritonllm.engine import Engine
+    from tritonllm.layers.linear import Linear
+
+    prompts = ["The capital of France is", "Write a haiku about the sea.",
+               "Once upon a time, in a small village by the mountains, there lived"]
+    params = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    engine = Engine(EngineConfig(device="cpu", num_threads=2, cpu_gemm="avx512_bf16", num_kv_blocks=256, warmup=False))
+    assert engine.runner.model.layers[0].mlp.down_proj.packed.kernel == "avx512_bf16"
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    del engine
+
+    reference = Engine(EngineConfig(device="cpu", num_threads=2, cpu_gemm="aten", num_kv_blocks=256, warmup=False))
+    model = reference.runner.model
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.weight.data = bf16_rounded(module.weight.data)
+            module.register_forward_pre_hook(lambda module, args: (bf16_rounded(args[0]),))
+    head = bf16_rounded(model.embed_tokens.weight.data)
+    model.tied_head_packed = lambda hidden, bias: F.linear(bf16_rounded(hidden), head)
+    assert [o.token_ids for o in reference.generate(prompts, params)] == got

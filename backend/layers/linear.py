@@ -7,6 +7,10 @@ streams straight into its FMAs:
   1-64 rows a decode step runs it overlaps that stream with the arithmetic: 1.6x oneDNN at 1-8 rows,
   1.2x at 32, equal from 128 on (AMD EPYC, 2 threads, fp32, cold weights; docs/PERFORMANCE.md).
   float32 on CPUs with AVX-512; elsewhere it falls back to oneDNN.
+- `avx512_bf16`: the same kernel on a bfloat16 copy of the weight, x rounded to bfloat16 per call,
+  sums in float32 (`vdpbf16ps`): 1.7-2.1x `avx512` at 1-64 rows, half the weight memory. Lossy
+  (relative error ~2.5e-3 per GEMM, so greedy outputs drift from float32 ones), hence opt-in; the
+  rest of the model stays float32. CPUs with AVX512-BF16; elsewhere it falls back to `avx512`.
 - `onednn`: oneDNN's blocked layout, the primitive torch's own compiler uses when it freezes a CPU
   model's linears; 1.2-2x `F.linear` ([64,576]x[576,960] 157 -> 203 GFLOPS, the LM head
   [64,576]x[576,49152] 96 -> 201). float32 and bfloat16.
@@ -34,12 +38,14 @@ def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def resolve_cpu_gemm(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     """The GEMM kernel the linears get for `cpu_gemm=requested`: the request, or the next one down
-    (avx512 -> onednn -> aten) where it cannot run on this device, dtype, CPU or torch build."""
+    (avx512_bf16 -> avx512 -> onednn -> aten) where it cannot run on this device, dtype, CPU or torch build."""
     if device.type != "cpu":
         return "aten"
-    if requested == "avx512" and dtype == torch.float32 and cpu_kernels.packed_gemm_supported():
+    if requested == "avx512_bf16" and dtype == torch.float32 and cpu_kernels.packed_gemm_bf16_supported():
+        return "avx512_bf16"
+    if requested in ("avx512_bf16", "avx512") and dtype == torch.float32 and cpu_kernels.packed_gemm_supported():
         return "avx512"
-    if requested in ("avx512", "onednn") and onednn_packing_supported(device, dtype):
+    if requested in ("avx512_bf16", "avx512", "onednn") and onednn_packing_supported(device, dtype):
         return "onednn"
     return "aten"
 
@@ -52,10 +58,12 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor, kernel: str, batch_hint: int):
         self.kernel = kernel
-        self.out_features = weight.size(0)
+        self.out_features, self.in_features = weight.shape
         weight = weight.detach().contiguous()
         if kernel == "avx512":
             self.data = cpu_kernels.pack_gemm_weight(weight)
+        elif kernel == "avx512_bf16":
+            self.data = cpu_kernels.pack_gemm_weight_bf16(weight)
         elif kernel == "onednn":
             self.data = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         else:
@@ -64,6 +72,8 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel == "avx512":
             return cpu_kernels.packed_gemm(x, self.data, bias, self.out_features)
+        if self.kernel == "avx512_bf16":
+            return cpu_kernels.packed_gemm_bf16(x, self.data, bias, self.out_features, self.in_features)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.data, bias, "none", [], "")
 
 
@@ -84,7 +94,7 @@ class Linear(nn.Linear):
 
 
 def pack_linears(model: nn.Module, kernel: str, batch_hint: int) -> int:
-    """Pack every `Linear` of `model` for `kernel` ("avx512" or "onednn"); returns how many were packed."""
+    """Pack every `Linear` of `model` for `kernel` ("avx512", "avx512_bf16" or "onednn"); returns how many were packed."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.packed is None:

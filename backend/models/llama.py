@@ -147,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, self.embed_tokens.weight)
 
     def pack_for_cpu(self, kernel: str, batch_hint: int) -> None:
-        """Every GEMM weight (and the LM head) packed for `kernel`, "avx512" or "onednn" (layers/linear.py).
+        """Every GEMM weight (and the LM head) packed for `kernel` (layers/linear.py: avx512, avx512_bf16, onednn).
 
         A tied LM head gets its own packed copy: the embedding lookup still needs the plain table.
         """
