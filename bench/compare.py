@@ -7,6 +7,8 @@ template applied) and the same exact output lengths (max_tokens + ignore_eos), a
   ours        a real tritonserver with our model repository, the fixed-interval replay over
               tritonclient gRPC streaming (client/bench.py's run_bench), start-to-ready time, and a
               closed-loop concurrency sweep (throughput and TPOT against C, as a PNG)
+  ours_bf16   the same server with cpu_gemm=avx512_bf16 (bfloat16 GEMM weights, lossy, opt-in),
+              the replay only; skipped where the CPU lacks AVX512-BF16
   hf_serial   transformers generate, fp32, one request at a time (SEEDS.md 000's baseline server);
               --serial-sample K runs K of them and extrapolates (marked as such)
   hf_static   transformers static batches (--static-batch, default 32), sorted by prompt length
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules, whe
 
 import compare_report as report  # noqa: E402
 
-ALL_SYSTEMS = ("ours", "hf_serial", "hf_static", "vllm", "llamacpp")
+ALL_SYSTEMS = ("ours", "ours_bf16", "hf_serial", "hf_static", "vllm", "llamacpp")
 
 
 def _int_list(text: str) -> list[int]:
@@ -151,16 +153,19 @@ class Comparison:
         self.save()
 
     # ---- ours ----------------------------------------------------------------------------------
-    def run_ours(self) -> None:
+    def run_ours(self, name: str = "ours", overrides: dict[str, str] | None = None, sweep: bool = True) -> None:
+        """Our server (or the running one at --ours-url, for "ours"): the replay, then the sweep."""
         from ours_server import MODEL_NAME, our_server
         from tritonllm_client.bench import run_bench
 
         a = self.args
-        params = {"num_threads": str(a.threads), **dict(a.ours_param)}
-        if a.ours_url:
+        params = {"num_threads": str(a.threads), **dict(a.ours_param), **(overrides or {})}
+        if a.ours_url and name == "ours":
             desc = f"tritonllm on the running server at {a.ours_url}, tritonclient gRPC streaming"
         else:
             dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(params.get("dtype", ""), "fp32")  # CPU auto = fp32
+            if params.get("cpu_gemm") == "avx512_bf16":
+                dtype += " with bf16 GEMM operands"
             desc = (f"tritonllm on tritonserver (nvidia-pytriton 0.7.0), {dtype}, tritonclient gRPC streaming; "
                     + ", ".join(f"{k}={v}" for k, v in params.items()))
 
@@ -169,11 +174,11 @@ class Comparison:
                               warmup=1, progress=self.progress, keep_text=True)
             records = bench["runs"][0]["requests"]
             summary = bench["runs"][0]["summary"]
-            self.texts["ours"] = {r["index"]: r.get("text", "") for r in records if r["ok"]}
-            self.result["details"]["ours"] = {"summary": summary, "requests": records}
-            self.result["rows"].append(report.system_row("ours", desc, summary, start_to_ready_s=ready_s))
+            self.texts[name] = {r["index"]: r.get("text", "") for r in records if r["ok"]}
+            self.result["details"][name] = {"summary": summary, "requests": records}
+            self.result["rows"].append(report.system_row(name, desc, summary, start_to_ready_s=ready_s))
             self.save()
-            if a.concurrency:
+            if sweep and a.concurrency:
                 try:
                     self.run_sweep(url)
                 except Exception as e:  # noqa: BLE001 - the replay row above stands
@@ -181,16 +186,25 @@ class Comparison:
                     self.result["sweep_error"] = f"{type(e).__name__}: {e}"
 
         def run() -> None:
-            if a.ours_url:
+            if a.ours_url and name == "ours":
                 measure(a.ours_url, None)
                 return
-            work = self.out / "ours"  # the repository copy and tritonserver.log
+            work = self.out / name  # the repository copy and tritonserver.log
             work.mkdir(exist_ok=True)
             with our_server(work, params) as (server, ready_s):
                 print(f"  start to ready (server launched -> first request answered): {ready_s:.1f} s", flush=True)
                 measure(server.grpc_url, ready_s)
 
-        self.run_guarded("ours", desc, run)
+        self.run_guarded(name, desc, run)
+
+    def run_ours_bf16(self) -> None:
+        from tritonllm import cpu_kernels
+
+        if not cpu_kernels.packed_gemm_bf16_supported():
+            self.result["rows"].append(report.system_row(
+                "ours_bf16", "tritonllm with cpu_gemm=avx512_bf16", status="skipped: this CPU lacks AVX512-BF16"))
+            return
+        self.run_ours("ours_bf16", {"cpu_gemm": "avx512_bf16"}, sweep=False)
 
     def run_sweep(self, url: str) -> None:
         from closed_loop import run_sweep
@@ -330,6 +344,8 @@ class Comparison:
               f"load average {os.getloadavg()[0]:.2f}", flush=True)
         if "ours" in systems:
             self.run_ours()
+        if "ours_bf16" in systems:
+            self.run_ours_bf16()
         self.run_machine()
         hf = [s for s in ("hf_serial", "hf_static") if s in systems]
         if hf:

@@ -62,10 +62,12 @@ def agreement(texts: dict[str, dict[int, str]]) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """`ratio_to_ours` = the system's total time / ours (above 1: ours finished sooner)."""
-    ours = next((r for r in rows if r["system"] == "ours" and r.get("total_time_s")), None)
-    for r in rows:
-        r["ratio_to_ours"] = (r["total_time_s"] / ours["total_time_s"]) if ours and r.get("total_time_s") else None
+    """`ratio_to_ours` = the system's total time / ours (above 1: ours finished sooner); likewise
+    `ratio_to_ours_bf16` against our bfloat16-GEMM run where there is one."""
+    for base in ("ours", "ours_bf16"):
+        ref = next((r for r in rows if r["system"] == base and r.get("total_time_s")), None)
+        for r in rows:
+            r[f"ratio_to_{base}"] = (r["total_time_s"] / ref["total_time_s"]) if ref and r.get("total_time_s") else None
 
 
 def _f(value, fmt: str, scale: float = 1.0) -> str:
@@ -74,12 +76,13 @@ def _f(value, fmt: str, scale: float = 1.0) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """The headline table; extrapolated numbers carry a `~` and a note."""
+    bf16 = any(r.get("ratio_to_ours_bf16") for r in rows)
     head = ("| system | total time (s) | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
-            "E2E p50 / p99 (s) | start to ready (s) | total time / ours |")
-    lines = [head, "|" + "---|" * 8]
+            "E2E p50 / p99 (s) | start to ready (s) | total time / ours |" + (" total time / ours_bf16 |" if bf16 else ""))
+    lines = [head, "|" + "---|" * (9 if bf16 else 8)]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['system']} | {r['status']} | | | | | | |")
+            lines.append(f"| {r['system']} | {r['status']} | | | | | | |" + (" |" if bf16 else ""))
             continue
         mark = "~" if r["extrapolated"] else ""
         name = r["system"] + (f" (extrapolated from {r['measured_requests']} of {r['num_requests']} requests)"
@@ -89,7 +92,9 @@ def markdown_table(rows: list[dict]) -> str:
             f"{mark}{_f(r['ttft_p50_s'], '.0f', 1e3)} / {_f(r['ttft_p99_s'], '.0f', 1e3)} | "
             f"{mark}{_f(r['tpot_p50_s'], '.1f', 1e3)} / {_f(r['tpot_p99_s'], '.1f', 1e3)} | "
             f"{mark}{_f(r['e2e_p50_s'], '.1f')} / {_f(r['e2e_p99_s'], '.1f')} | {_f(r['start_to_ready_s'], '.1f')} | "
-            f"{mark + _f(r['ratio_to_ours'], '.2f') + 'x' if r['ratio_to_ours'] else '-'} |")
+            f"{mark + _f(r['ratio_to_ours'], '.2f') + 'x' if r['ratio_to_ours'] else '-'} |"
+            + (f" {mark + _f(r['ratio_to_ours_bf16'], '.2f') + 'x' if r.get('ratio_to_ours_bf16') else '-'} |"
+               if bf16 else ""))
     return "\n".join(lines)
 
 
