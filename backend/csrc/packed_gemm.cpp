@@ -261,8 +261,13 @@ at::Tensor packed_gemm_bf16(const at::Tensor& x_in, const at::Tensor& packed, co
   const float* bias = check_gemm_args("packed_gemm_bf16", x_in, packed, k, bias_in, n, bias_c);
   const at::Tensor x2 = x_in.reshape({-1, k});
   const int64_t m = x2.size(0);
-  at::Tensor x = at::zeros({m, 2 * pairs}, x2.options().dtype(at::kBFloat16));
-  x.narrow(1, 0, k).copy_(x2);
+  at::Tensor x;
+  if (k % 2 == 0) {
+    x = x2.to(at::kBFloat16).contiguous();
+  } else {
+    x = at::zeros({m, 2 * pairs}, x2.options().dtype(at::kBFloat16));
+    x.narrow(1, 0, k).copy_(x2);
+  }
   at::Tensor y = at::empty({m, n}, x2.options());
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   run_panels<at::BFloat16>(x.data_ptr<at::BFloat16>(), 2 * pairs, packed.data_ptr<at::BFloat16>(), pairs,
