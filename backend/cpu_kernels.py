@@ -5,11 +5,12 @@ Paged decode attention that reads K/V in place from the block pool
 RMSNorm, rotary embedding + KV write, SiLU * up (csrc/fused_decoder_ops.cpp), and the greedy head's
 argmax + log-prob in one pass (csrc/greedy_head.cpp), and on AVX-512 CPUs the GEMM for the
 linears, weights packed once, in float32 or (opt-in) bfloat16 (csrc/packed_gemm.cpp). torch's JIT
-extension builder compiles it with the machine's g++ for the machine's own CPU (-march=native) into torch's extension cache
-(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions); later processes load the cached build
-in well under a second. `scripts/install.sh` builds it ahead of time so that no server start pays
-for the compiler. Where it cannot be built (no compiler, another OS), `load()` returns False with
-the reason logged and the engine keeps the pure-torch path, which gives the same results.
+extension builder compiles it with the machine's g++ for the machine's own CPU (-march=native) into
+torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one process at
+a time (`_build_lock`); later processes load the cached build in well under a second.
+`scripts/install.sh` builds it ahead of time so that no server start pays for the compiler. Where
+it cannot be built (no compiler, another OS), `load()` returns False with the reason logged and the
+engine keeps the pure-torch path, which gives the same results.
 """
 
 from __future__ import annotations

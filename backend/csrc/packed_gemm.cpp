@@ -20,8 +20,9 @@
 // with the weight rounded to bfloat16 and k taken in pairs, [ceil(K / 2), 32, 2], so one zmm holds
 // a k pair of 16 columns; x is rounded to bfloat16 per call, and `vdpbf16ps` adds both products of
 // a pair into float32 accumulators. Half the weight bytes and twice the products per instruction:
-// 1.7-2.1x the float32 kernel at 1-64 rows (AMD EPYC with avx512_bf16). Everything else in the
-// model stays float32; only the GEMM inputs are rounded (relative error ~2.5e-3 per GEMM).
+// 1.9x the float32 kernel over a step's GEMMs at 1-64 rows (1.6-2.6x per shape; AMD EPYC with
+// avx512_bf16). Everything else in the model stays float32; only the GEMM inputs are rounded
+// (relative error ~2.5e-3 per GEMM).
 //
 // Without AVX-512 at build time the ops exist but `packed_gemm_supported()` is false and the
 // engine keeps oneDNN (layers/linear.py); likewise `packed_gemm_bf16_supported()` without
@@ -173,7 +174,7 @@ constexpr Microkernel<typename F::Elem> kMicrokernels[kMaxRows + 1] = {
     &microkernel<F, 6>, &microkernel<F, 7>, &microkernel<F, 8>, &microkernel<F, 9>, &microkernel<F, 10>,
     &microkernel<F, 11>, &microkernel<F, 12>};
 
-// y [m, n] = x [m, steps * per_step] . panels: the threads split the panels, rows go in chunks whose
+// y [m, n] = x [m, K] . panels: the threads split the panels, rows go in chunks whose
 // x stays in L2, each block of up to kMaxRows rows is one microkernel call over the whole K.
 // `steps` is K (float32) or K / 2 (bfloat16 pairs); `ldx` is x's row stride in elements.
 template <typename Elem>
