@@ -54,10 +54,13 @@ def _case(batch: int, kv_heads: int, per_kv: int, max_blocks: int, seed: int, he
 
 
 # head_dim 64 / 128 with block size 16 / 32 take the vector path; head_dim 48 and block size 8 do not
-# divide into AVX-512 registers and take the scalar one.
+# divide into AVX-512 registers and take the scalar one. The vector path scores a KV head's query
+# heads in groups of up to 4 that divide per_kv: 1, 2, 3 and 4 heads at once, 6 as two groups of 3,
+# 5 one at a time.
 @pytest.mark.parametrize("batch,kv_heads,per_kv,max_blocks,head_dim,block_size", [
     (1, 1, 1, 1, 64, 16), (5, 3, 3, 4, 64, 16), (64, 3, 3, 20, 64, 16), (7, 2, 4, 9, 64, 16),
-    (6, 2, 4, 5, 128, 16), (4, 3, 3, 3, 64, 32), (5, 3, 3, 4, 48, 16), (5, 3, 3, 6, 64, 8)])
+    (6, 2, 4, 5, 128, 16), (4, 3, 3, 3, 64, 32), (5, 3, 3, 4, 48, 16), (5, 3, 3, 6, 64, 8),
+    (3, 2, 2, 4, 64, 16), (3, 1, 6, 4, 64, 16), (3, 1, 5, 4, 64, 16)])
 def test_kernel_equals_torch_path(batch, kv_heads, per_kv, max_blocks, head_dim, block_size):
     q, k_cache, v_cache, tables, mask = _case(batch, kv_heads, per_kv, max_blocks, seed=batch, head_dim=head_dim,
                                               block_size=block_size)

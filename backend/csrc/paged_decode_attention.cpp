@@ -8,7 +8,8 @@
 // float32, float16 or bfloat16 (`kv_cache_dtype`): 16-bit rows are widened to float32 as they are
 // loaded (F16C / a shift), so the arithmetic is the same and only half the bytes come from memory.
 //
-// One work item is (sequence, KV head): its query heads share every K/V row it reads. Items are
+// One work item is (sequence, KV head): its query heads share every K/V row it reads, and are
+// scored together (up to 4 at a time), so each row is loaded and widened once for all of them. Items are
 // visited shortest and longest sequence alternately so the two halves that at::parallel_for hands
 // to the threads hold about the same number of keys (decodes arrive sorted by length).
 // K and V are read in one pass, block by block (online softmax): score the block's keys, update each
@@ -19,10 +20,13 @@
 // The arithmetic is vectorised across keys with GCC vector extensions (VL floats: one AVX-512 or
 // AVX2 register): each key's q.k is accumulated as VL partial sums, then VL keys' partials are
 // folded into one vector of VL scores by pairwise shuffles (log2(VL) levels), so no key pays for a
-// horizontal sum of its own; softmax weights use a vector exp. At batch 64 this halves the kernel's
-// time with K/V in cache and, with the prefetches spread through it, takes 2.8 -> 1.8 ms per layer
-// at contexts up to 384 with K/V from DRAM (docs/PERFORMANCE.md). Shapes the vector path does not
-// cover (head_dim or block_size not a multiple of VL) take a scalar path with the same results.
+// horizontal sum of its own (on AVX-512 the fold takes in-lane shuffles first, 128-bit block
+// shuffles last, and no two-source permutes); softmax weights use a vector exp. At batch 64 this
+// halved the kernel's time with K/V in cache and, with the prefetches spread through it, took
+// 2.8 -> 1.8 ms per layer at contexts up to 384 with K/V from DRAM; scoring the query heads
+// together and the cheaper fold took another 25-30 % off in cache (docs/PERFORMANCE.md). Shapes
+// the vector path does not cover (head_dim or block_size not a multiple of VL) take a scalar path
+// with the same results.
 // Built with -ffast-math: nothing here produces an infinity or a NaN (masked keys get a finite
 // -1e30 score and are never read from V), which that flag requires.
 
@@ -110,14 +114,34 @@ inline vf pair_sums(vf a, vf b) {
 #endif
 }
 
-// p[t] holds VL partial sums of key t; returns lane t = key t's total. Each level halves the
-// vectors and keeps every lane pair inside one key, so after log2(VL) levels lane t is key t.
+// p[t] holds VL partial sums of key t; returns lane t = key t's total.
+#if TRITONLLM_VL == 16
+// AVX-512: in-lane shuffles first (unpack, then shufps), 128-bit block shuffles last; the lanes
+// come out in key order, with no two-source permutes (or their index registers).
+inline vf fold_keys(vf* p) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit block: [key 2i, key 2i+1, key 2i, key 2i+1]
+    const __m512 x = (__m512)p[2 * i], y = (__m512)p[2 * i + 1];
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit block: keys 4i .. 4i+3
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 2; ++i) {  // blocks: keys 8i..8i+3 twice, then 8i+4..8i+7 twice
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  }
+  return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+#else
+// Each level halves the vectors and keeps every lane pair inside one key, so after log2(VL)
+// levels lane t is key t.
 inline vf fold_keys(vf* p) {
   for (int n = VL; n > 1; n /= 2) {
     for (int i = 0; i < n / 2; ++i) p[i] = pair_sums(p[2 * i], p[2 * i + 1]);
   }
   return p[0];
 }
+#endif
 
 // e^x for x <= 0 (softmax weights: score minus the running max). Cody-Waite range reduction and
 // the Cephes expf polynomial: about 1 ulp, as the scalar expf.
@@ -179,51 +203,78 @@ inline void rescale(HeadState& st, float bmax, float* o, int64_t D) {
   st.max = bmax;
 }
 
-// One block for all G query heads, vector path. DV = head_dim / VL (a compile-time constant so the
-// row's vectors stay in registers).
-template <typename T, int DV>
+// One block for query heads [0, GC) of a KV head, vector path. DV = head_dim / VL and GC are
+// compile-time constants, so the heads' query rows and output accumulators stay in registers: each
+// K and V row is loaded (and, for a 16-bit pool, widened) once for all GC heads instead of once per
+// head. Each head's arithmetic is the same sequence of operations as scoring it alone.
+template <typename T, int DV, int GC>
 void block_vec(const float* qh, const T* kb, const T* vb, const bool* mb, bool full, const Shapes& s,
                float scale, HeadState* st, float* oh, float* scores, NextBlock& next) {
   constexpr int64_t D = DV * VL;
-  for (int64_t g = 0; g < s.G; ++g) {
-    vf qv[DV];
-    for (int c = 0; c < DV; ++c) qv[c] = load(qh + g * D + c * VL);
-    float* sc = scores;
+  float* sc[GC];
+  for (int g = 0; g < GC; ++g) sc[g] = scores + g * s.BS;
+  {
+    vf qv[GC][DV];
+    for (int g = 0; g < GC; ++g)
+      for (int c = 0; c < DV; ++c) qv[g][c] = load(qh + g * D + c * VL);
     for (int64_t t0 = 0; t0 < s.BS; t0 += VL) {
-      vf part[VL];
+      vf part[GC][VL];
       for (int t = 0; t < VL; ++t) {
         const T* kr = kb + (t0 + t) * D;
         next.step();
-        vf acc = qv[0] * load_row(kr);
-        for (int c = 1; c < DV; ++c) acc += qv[c] * load_row(kr + c * VL);
-        part[t] = acc;
+        vf k[DV];
+        for (int c = 0; c < DV; ++c) k[c] = load_row(kr + c * VL);
+        for (int g = 0; g < GC; ++g) {
+          vf acc = qv[g][0] * k[0];
+          for (int c = 1; c < DV; ++c) acc += qv[g][c] * k[c];
+          part[g][t] = acc;
+        }
       }
-      store(sc + t0, fold_keys(part) * scale);
+      for (int g = 0; g < GC; ++g) store(sc[g] + t0, fold_keys(part[g]) * scale);
     }
+  }
+  for (int g = 0; g < GC; ++g) {
+    float* scg = sc[g];
     if (!full) {
-      for (int64_t t = 0; t < s.BS; ++t) sc[t] = mb[t] ? sc[t] : kMasked;
+      for (int64_t t = 0; t < s.BS; ++t) scg[t] = mb[t] ? scg[t] : kMasked;
     }
-    float bmax = sc[0];
-    for (int64_t t = 1; t < s.BS; ++t) bmax = std::max(bmax, sc[t]);
-    float* o = oh + g * D;
-    rescale(st[g], bmax, o, D);
-    for (int64_t t0 = 0; t0 < s.BS; t0 += VL) store(sc + t0, exp_nonpositive(load(sc + t0) - st[g].max));
-    vf acc[DV];
-    for (int c = 0; c < DV; ++c) acc[c] = load(o + c * VL);
-    for (int64_t t = 0; t < s.BS; ++t) {
-      if (!full && !mb[t]) {
-        sc[t] = 0.f;  // masked: no weight, and its V row (maybe never written) is not read
-        continue;
-      }
-      next.step();
-      const vf w = vf{} + sc[t];
-      const T* vr = vb + t * D;
-      for (int c = 0; c < DV; ++c) acc[c] += w * load_row(vr + c * VL);
+    float bmax = scg[0];
+    for (int64_t t = 1; t < s.BS; ++t) bmax = std::max(bmax, scg[t]);
+    rescale(st[g], bmax, oh + g * D, D);
+    for (int64_t t0 = 0; t0 < s.BS; t0 += VL) store(scg + t0, exp_nonpositive(load(scg + t0) - st[g].max));
+    if (!full) {
+      for (int64_t t = 0; t < s.BS; ++t) scg[t] = mb[t] ? scg[t] : 0.f;  // masked: no weight
     }
-    for (int c = 0; c < DV; ++c) store(o + c * VL, acc[c]);
+  }
+  vf acc[GC][DV];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < DV; ++c) acc[g][c] = load(oh + g * D + c * VL);
+  for (int64_t t = 0; t < s.BS; ++t) {
+    if (!full && !mb[t]) continue;  // its V row (maybe never written) is not read
+    next.step();
+    vf v[DV];
+    const T* vr = vb + t * D;
+    for (int c = 0; c < DV; ++c) v[c] = load_row(vr + c * VL);
+    for (int g = 0; g < GC; ++g) {
+      const vf w = vf{} + sc[g][t];
+      for (int c = 0; c < DV; ++c) acc[g][c] += w * v[c];
+    }
+  }
+  for (int g = 0; g < GC; ++g) {
+    for (int c = 0; c < DV; ++c) store(oh + g * D + c * VL, acc[g][c]);
     float total = 0.f;
-    for (int64_t t = 0; t < s.BS; ++t) total += sc[t];  // masked weights were zeroed above
+    for (int64_t t = 0; t < s.BS; ++t) total += sc[g][t];  // masked weights were zeroed above
     st[g].sum += total;
+  }
+}
+
+// All G query heads of a KV head in groups of GC (a divisor of G).
+template <typename T, int DV, int GC>
+void block_vec_groups(const float* qh, const T* kb, const T* vb, const bool* mb, bool full, const Shapes& s,
+                      float scale, HeadState* st, float* oh, float* scores, NextBlock& next) {
+  constexpr int64_t D = DV * VL;
+  for (int64_t g0 = 0; g0 < s.G; g0 += GC) {
+    block_vec<T, DV, GC>(qh + g0 * D, kb, vb, mb, full, s, scale, st + g0, oh + g0 * D, scores, next);
   }
 }
 
@@ -262,14 +313,33 @@ template <typename T>
 using BlockFn = void (*)(const float*, const T*, const T*, const bool*, bool, const Shapes&, float, HeadState*,
                          float*, float*, NextBlock&);
 
+// The largest head group of at most 4 that divides G: 4 heads x DV accumulators still fit in
+// registers at head_dim 64.
+inline int head_group(int64_t G) {
+  for (int gc = 4; gc > 1; --gc) {
+    if (G % gc == 0) return gc;
+  }
+  return 1;
+}
+
+template <typename T, int DV>
+BlockFn<T> block_fn_dv(int64_t G) {
+  switch (head_group(G)) {
+    case 4: return &block_vec_groups<T, DV, 4>;
+    case 3: return &block_vec_groups<T, DV, 3>;
+    case 2: return &block_vec_groups<T, DV, 2>;
+    default: return &block_vec_groups<T, DV, 1>;
+  }
+}
+
 template <typename T>
 BlockFn<T> block_fn(const Shapes& s) {
   if (s.BS % VL != 0) return &block_scalar<T>;
   switch (s.D) {
-    case 2 * VL: return &block_vec<T, 2>;
-    case 4 * VL: return &block_vec<T, 4>;
-    case 8 * VL: return &block_vec<T, 8>;
-    case 16 * VL: return &block_vec<T, 16>;
+    case 2 * VL: return block_fn_dv<T, 2>(s.G);
+    case 4 * VL: return block_fn_dv<T, 4>(s.G);
+    case 8 * VL: return block_fn_dv<T, 8>(s.G);
+    case 16 * VL: return block_fn_dv<T, 16>(s.G);
     default: return &block_scalar<T>;
   }
 }
@@ -285,10 +355,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   float* op = out.data_ptr<float>();
   const BlockFn<T> attend_block = block_fn<T>(s);
   const int64_t block_elems = s.BS * s.D;
-  const int64_t calls_per_block = 2 * s.G * s.BS;  // NextBlock::step calls in block_vec: scoring, then adding V
+  // NextBlock::step calls in block_vec per block: a K row and a V row for each key, per head group.
+  const int64_t calls_per_block = 2 * (s.G / head_group(s.G)) * s.BS;
 
   at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(s.BS);
+    std::vector<float> scores(s.G * s.BS);  // one row of block scores per query head
     std::vector<HeadState> st(s.G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t k = item / s.KVH, h = item % s.KVH;
