@@ -33,6 +33,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -248,6 +250,34 @@ at::Tensor packed_gemm(const at::Tensor& x_in, const at::Tensor& packed, const c
   return y.view(out_shape(x_in, n));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// float32 -> bfloat16 bits, round to nearest even, NaN kept a (quiet) NaN: c10::BFloat16's rounding,
+// so the kernel multiplies exactly what `x.to(torch.bfloat16)` holds.
+inline uint16_t round_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// x [m, k] (row stride ldx) rounded to bfloat16 rows of `ld` elements (an odd k gets a zero pair
+// partner) in a per-thread buffer that lives until this thread's next call: no tensor allocation
+// or operator dispatch per GEMM (those cost more than the rounding at decode sizes).
+const uint16_t* round_rows_to_bf16(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t ld) {
+  thread_local std::vector<uint16_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < m * ld) buffer.resize(m * ld);
+  uint16_t* out = buffer.data();
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * ldx;
+    uint16_t* yr = out + r * ld;
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) yr[i] = round_to_bf16(xr[i]);
+    for (int64_t i = k; i < ld; ++i) yr[i] = 0;
+  }
+  return out;
+}
+#endif
+
 // As packed_gemm, on a weight from pack_gemm_weight_bf16; x is rounded to bfloat16 here (an odd K
 // gets a zero pair partner, matching the weight's zero padding).
 at::Tensor packed_gemm_bf16(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias_in,
@@ -260,18 +290,14 @@ at::Tensor packed_gemm_bf16(const at::Tensor& x_in, const at::Tensor& packed, co
   TORCH_CHECK((k + 1) / 2 == pairs, "packed_gemm_bf16: in_features ", k, " does not match the packed weight");
   at::Tensor bias_c;
   const float* bias = check_gemm_args("packed_gemm_bf16", x_in, packed, k, bias_in, n, bias_c);
-  const at::Tensor x2 = x_in.reshape({-1, k});
+  at::Tensor x2 = x_in.reshape({-1, k});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
   const int64_t m = x2.size(0);
-  at::Tensor x;
-  if (k % 2 == 0) {
-    x = x2.to(at::kBFloat16).contiguous();
-  } else {
-    x = at::zeros({m, 2 * pairs}, x2.options().dtype(at::kBFloat16));
-    x.narrow(1, 0, k).copy_(x2);
-  }
   at::Tensor y = at::empty({m, n}, x2.options());
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  run_panels<at::BFloat16>(x.data_ptr<at::BFloat16>(), 2 * pairs, packed.data_ptr<at::BFloat16>(), pairs,
+  const int64_t ld = 2 * pairs;
+  const uint16_t* xb = round_rows_to_bf16(x2.data_ptr<float>(), x2.stride(0), m, k, ld);
+  run_panels<at::BFloat16>(reinterpret_cast<const at::BFloat16*>(xb), ld, packed.data_ptr<at::BFloat16>(), pairs,
                            packed.size(0), m, n, bias, y.data_ptr<float>(), kMicrokernels<Bf16PairPanels>);
 #endif
   return y.view(out_shape(x_in, n));
