@@ -9,9 +9,10 @@
 // loaded (F16C / a shift), so the arithmetic is the same and only half the bytes come from memory.
 //
 // One work item is (sequence, KV head): its query heads share every K/V row it reads, and are
-// scored together (up to 4 at a time), so each row is loaded and widened once for all of them. Items are
-// visited shortest and longest sequence alternately so the two halves that at::parallel_for hands
-// to the threads hold about the same number of keys (decodes arrive sorted by length).
+// scored together (up to 4 at a time), so each row is loaded and widened once for all of them.
+// Items are visited shortest and longest sequence alternately so the two halves that
+// at::parallel_for hands to the threads hold about the same number of keys (decodes arrive sorted
+// by length).
 // K and V are read in one pass, block by block (online softmax): score the block's keys, update each
 // query head's running max, sum and output (rescaled only when the max grows), add the block's V
 // rows. The next block's lines are prefetched: blocks are scattered 4 KB pages the hardware cannot
@@ -125,10 +126,12 @@ inline vf fold_keys(vf* p) {
     a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
   }
   for (int i = 0; i < 4; ++i) {  // per 128-bit block: keys 4i .. 4i+3
-    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
   }
   for (int i = 0; i < 2; ++i) {  // blocks: keys 8i..8i+3 twice, then 8i+4..8i+7 twice
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
   }
   return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
