@@ -25,9 +25,12 @@ def bf16_rounded(t: torch.Tensor) -> torch.Tensor:
 
 # Row counts around the 12-row microkernel and past a 168-row chunk (K=576); widths with a partial
 # last panel (100, 5) and K not a multiple of anything (7).
+GEMM_SHAPES = [
+    (1, 960, 576), (3, 576, 1536), (12, 3072, 576), (13, 100, 576), (40, 5, 7), (200, 96, 576), (0, 64, 64)]
+
+
 @avx512
-@pytest.mark.parametrize("rows,out_features,in_features", [
-    (1, 960, 576), (3, 576, 1536), (12, 3072, 576), (13, 100, 576), (40, 5, 7), (200, 96, 576), (0, 64, 64)])
+@pytest.mark.parametrize("rows,out_features,in_features", GEMM_SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_gemm_equals_f_linear(rows, out_features, in_features, with_bias):
     gen = torch.Generator().manual_seed(rows * 7 + out_features)
@@ -60,9 +63,10 @@ def test_a_rows_result_does_not_depend_on_its_batch():
         assert torch.equal(packed(x[start:end], None), full[start:end])
 
 
-@avx512
-def test_packed_gemm_rejects_bad_input():
-    packed = PackedWeight(torch.randn(64, 32), "avx512", 64)
+@pytest.mark.parametrize("kernel", [pytest.param("avx512", marks=avx512),
+                                    pytest.param("avx512_bf16", marks=avx512_bf16)])
+def test_packed_gemm_rejects_bad_input(kernel):
+    packed = PackedWeight(torch.randn(64, 32), kernel, 64)
     with pytest.raises(RuntimeError, match="in_features"):
         packed(torch.randn(3, 31), None)
     with pytest.raises(RuntimeError, match="float32 only"):
@@ -74,8 +78,7 @@ def test_packed_gemm_rejects_bad_input():
 # The bfloat16-weight kernel multiplies exactly the bfloat16-rounded x and W and sums in float32:
 # against a float64 product of the rounded operands only the summation order differs.
 @avx512_bf16
-@pytest.mark.parametrize("rows,out_features,in_features", [
-    (1, 960, 576), (3, 576, 1536), (12, 3072, 576), (13, 100, 576), (40, 5, 7), (200, 96, 576), (0, 64, 64)])
+@pytest.mark.parametrize("rows,out_features,in_features", GEMM_SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_gemm_equals_the_product_of_bf16_rounded_operands(rows, out_features, in_features, with_bias):
     gen = torch.Generator().manual_seed(rows * 5 + out_features)
@@ -102,14 +105,7 @@ def test_bf16_gemm_rows_do_not_depend_on_their_batch_and_leading_dims_are_kept()
 
 
 @avx512_bf16
-def test_bf16_gemm_rejects_bad_input():
-    packed = PackedWeight(torch.randn(64, 32), "avx512_bf16", 64)
-    with pytest.raises(RuntimeError, match="in_features"):
-        packed(torch.randn(3, 31), None)
-    with pytest.raises(RuntimeError, match="float32"):
-        packed(torch.randn(3, 32, dtype=torch.float64), None)
-    with pytest.raises(RuntimeError, match="bias"):
-        packed(torch.randn(3, 32), torch.randn(63))
+def test_bf16_gemm_rejects_a_float32_packed_weight():
     with pytest.raises(RuntimeError, match="pack_gemm_weight_bf16"):
         cpu_kernels.packed_gemm_bf16(torch.randn(3, 32), cpu_kernels.pack_gemm_weight(torch.randn(64, 32)), None, 64, 32)
 
