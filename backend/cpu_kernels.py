@@ -16,6 +16,7 @@ engine keeps the pure-torch path, which gives the same results.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import threading
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 _NAME = "tritonllm_cpu_kernels"
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp")]
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str
 
@@ -51,7 +53,7 @@ def load() -> bool:
                     # The objects use the OpenMP runtime torch already loaded (same soname, libgomp.so.1):
                     # one thread pool per process, as the rest of the engine needs (engine_loop.py).
                     load_extension(name=_NAME, sources=[str(s) for s in _SOURCES], build_directory=str(build_dir),
-                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", _headers_flag()],
                                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
                 _state["ok"] = True
             except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
@@ -59,6 +61,13 @@ def load() -> bool:
                 _state["error"] = f"{type(exc).__name__}: {exc}"
                 logger.warning("CPU kernels unavailable, using the torch attention path: %s", _state["error"])
         return bool(_state["ok"])
+
+
+def _headers_flag() -> str:
+    """A define carrying a digest of csrc/*.h: torch's builder rebuilds when the sources or the flags
+    change, and it does not look at included headers, so their digest goes into the flags."""
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
+    return f"-DTRITONLLM_HEADERS_DIGEST={digest}"
 
 
 def _build_directory() -> Path:

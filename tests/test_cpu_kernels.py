@@ -72,6 +72,21 @@ def test_kernel_equals_torch_path(batch, kv_heads, per_kv, max_blocks, head_dim,
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_kernel_result_does_not_depend_on_the_thread_count():
+    # The threads claim (sequence, KV head) items as they go (csrc/claimed_chunks.h); each item is
+    # computed whole by one thread, so the result is the same whoever takes it.
+    q, k_cache, v_cache, tables, mask = _case(48, 3, 3, 12, seed=11)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
 # A 16-bit pool (kv_cache_dtype): the kernel widens each row as it loads it, the torch path converts
 # the gathered blocks; both then do float32 arithmetic on the same values.
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])

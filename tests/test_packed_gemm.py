@@ -65,6 +65,26 @@ def test_a_rows_result_does_not_depend_on_its_batch():
 
 @pytest.mark.parametrize("kernel", [pytest.param("avx512", marks=avx512),
                                     pytest.param("avx512_bf16", marks=avx512_bf16)])
+def test_the_result_does_not_depend_on_the_thread_count(kernel):
+    # The threads claim runs of panels as they go (csrc/claimed_chunks.h): whichever thread computes
+    # a panel, every column is computed once and in the same order. 200 rows at K=576 make two row
+    # chunks; 3072 columns make 96 panels, more than one run per claim.
+    gen = torch.Generator().manual_seed(3)
+    weight, x, bias = torch.randn(3072, 576, generator=gen), torch.randn(200, 576, generator=gen), torch.randn(3072)
+    packed = PackedWeight(weight, kernel, 64)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(packed(x, bias))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("avx512", marks=avx512),
+                                    pytest.param("avx512_bf16", marks=avx512_bf16)])
 def test_packed_gemm_rejects_bad_input(kernel):
     packed = PackedWeight(torch.randn(64, 32), kernel, 64)
     with pytest.raises(RuntimeError, match="in_features"):

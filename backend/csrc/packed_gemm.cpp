@@ -11,8 +11,9 @@
 // Layout: the weight is packed once into panels of NR = 32 output columns, each panel [K, 32]
 // contiguous (the last one zero-padded). The microkernel holds an MR x 32 block of y in 2 * MR zmm
 // accumulators (MR <= 12: 24 of the 32 registers), and per k loads the panel's two vectors and
-// broadcasts one x value per row. Threads split the panels (contiguous ranges, so each streams its
-// own part of the weight once); rows are taken in chunks whose x slice stays in L2, which only
+// broadcasts one x value per row. The threads claim runs of panels as they go (about 8 runs each per
+// row chunk; claimed_chunks.h), so each streams a contiguous part of the weight and a thread the OS
+// pauses does not hold up the GEMM; rows are taken in chunks whose x slice stays in L2, which only
 // matters for prefill-sized M. Sums run in k order, one FMA per product, so a row's result does
 // not depend on the batch it runs in.
 //
@@ -32,6 +33,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "claimed_chunks.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -47,6 +50,7 @@ constexpr int64_t kPanel = 32;                 // NR: output columns per panel (
 constexpr int kMaxRows = 12;                   // MR: rows per microkernel call
 constexpr int64_t kRowChunkBytes = 384 << 10;  // x rows per chunk: this many bytes of x (L2-resident)
 constexpr int64_t kPrefetchRows = 8;           // software prefetch distance in panel rows (1 KiB)
+constexpr int64_t kClaimsPerThread = 8;        // panel runs each thread claims per row chunk (claimed_chunks.h)
 
 bool packed_gemm_supported() {
 #if defined(__AVX512F__)
@@ -176,7 +180,7 @@ constexpr Microkernel<typename F::Elem> kMicrokernels[kMaxRows + 1] = {
     &microkernel<F, 6>, &microkernel<F, 7>, &microkernel<F, 8>, &microkernel<F, 9>, &microkernel<F, 10>,
     &microkernel<F, 11>, &microkernel<F, 12>};
 
-// y [m, n] = x [m, K] . panels: the threads split the panels, rows go in chunks whose
+// y [m, n] = x [m, K] . panels: the threads claim runs of panels, rows go in chunks whose
 // x stays in L2, each block of up to kMaxRows rows is one microkernel call over the whole K.
 // `steps` is K (float32) or K / 2 (bfloat16 pairs); `ldx` is x's row stride in elements.
 template <typename Elem>
@@ -186,12 +190,16 @@ void run_panels(const Elem* xp, int64_t ldx, const Elem* wp, int64_t steps, int6
   const int64_t chunk = std::max<int64_t>(kMaxRows, kRowChunkBytes / (std::max<int64_t>(ldx, 1) * sizeof(Elem)) /
                                                         kMaxRows * kMaxRows);
   const bool prefetch = m >= 4;  // a 1-3 row pass is a pure stream the hardware prefetcher keeps up with alone
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t row_chunks = (m + chunk - 1) / chunk;
+  // Work items are (row chunk, panel), row chunk major, so both threads share a chunk's x in L2.
+  tritonllm::parallel_claim(row_chunks * panels, tritonllm::grain_for(panels, kClaimsPerThread),
+                            [&](tritonllm::ClaimedChunks& items) {
     alignas(64) float tail[kMaxRows * kPanel];  // the last panel's block when N is not a multiple of 32
     alignas(64) float tail_bias[kPanel] = {};   // ... and its bias, zero-padded (same arithmetic as full panels)
-    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-      const int64_t m1 = std::min(m, m0 + chunk);
-      for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t begin, end; items.next(begin, end);) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t m0 = item / panels * chunk, p = item % panels;
+        const int64_t m1 = std::min(m, m0 + chunk);
         const Elem* panel = wp + p * panel_elems;
         const int64_t col0 = p * kPanel;
         const int64_t cols = std::min(kPanel, n - col0);

@@ -10,9 +10,9 @@
 //
 // One work item is (sequence, KV head): its query heads share every K/V row it reads, and are
 // scored together (up to 4 at a time), so each row is loaded and widened once for all of them.
-// Items are visited shortest and longest sequence alternately so the two halves that
-// at::parallel_for hands to the threads hold about the same number of keys (decodes arrive sorted
-// by length).
+// The threads claim items one at a time (claimed_chunks.h), longest context first (decodes arrive
+// sorted by length, shortest first), so the last items claimed are the cheapest and the threads
+// finish together even when one of them was paused.
 // K and V are read in one pass, block by block (online softmax): score the block's keys, update each
 // query head's running max, sum and output (rescaled only when the max grows), add the block's V
 // rows. The next block's lines are prefetched: blocks are scattered 4 KB pages the hardware cannot
@@ -36,6 +36,8 @@
 #include <c10/util/Half.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "claimed_chunks.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -361,39 +363,40 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // NextBlock::step calls in block_vec per block: a K row and a V row for each key, per head group.
   const int64_t calls_per_block = 2 * (s.G / head_group(s.G)) * s.BS;
 
-  at::parallel_for(0, s.B * s.KVH, 1, [&](int64_t begin, int64_t end) {
+  tritonllm::parallel_claim(s.B * s.KVH, 1, [&](tritonllm::ClaimedChunks& items) {
     std::vector<float> scores(s.G * s.BS);  // one row of block scores per query head
     std::vector<HeadState> st(s.G);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t k = item / s.KVH, h = item % s.KVH;
-      const int64_t b = (k % 2 == 0) ? k / 2 : s.B - 1 - k / 2;  // shortest, longest, next shortest, ...
-      const float* qh = qp + (b * s.H + h * s.G) * s.D;
-      const int64_t* table = tp + b * s.MAXB;
-      const bool* m = mp + b * s.W;
-      float* oh = op + (b * s.H + h * s.G) * s.D;
-      std::fill(oh, oh + s.G * s.D, 0.f);
-      std::fill(st.begin(), st.end(), HeadState{});
-      for (int64_t j = 0; j < s.MAXB; ++j) {
-        const bool* mb = m + j * s.BS;
-        int64_t valid = 0;
-        for (int64_t t = 0; t < s.BS; ++t) valid += mb[t];
-        if (valid == 0) continue;  // padding or a pruned block
-        NextBlock next;
-        if (j + 1 < s.MAXB) {
-          next.k = reinterpret_cast<const char*>(kp + (h * s.NB + table[j + 1]) * block_elems);
-          next.v = reinterpret_cast<const char*>(vp + (h * s.NB + table[j + 1]) * block_elems);
-          next.bytes = block_elems * static_cast<int64_t>(sizeof(T));
-          next.per_call = (next.bytes / 64 + calls_per_block - 1) / calls_per_block;
+    for (int64_t begin, end; items.next(begin, end);) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t h = item % s.KVH, b = s.B - 1 - item / s.KVH;  // the longest contexts first
+        const float* qh = qp + (b * s.H + h * s.G) * s.D;
+        const int64_t* table = tp + b * s.MAXB;
+        const bool* m = mp + b * s.W;
+        float* oh = op + (b * s.H + h * s.G) * s.D;
+        std::fill(oh, oh + s.G * s.D, 0.f);
+        std::fill(st.begin(), st.end(), HeadState{});
+        for (int64_t j = 0; j < s.MAXB; ++j) {
+          const bool* mb = m + j * s.BS;
+          int64_t valid = 0;
+          for (int64_t t = 0; t < s.BS; ++t) valid += mb[t];
+          if (valid == 0) continue;  // padding or a pruned block
+          NextBlock next;
+          if (j + 1 < s.MAXB) {
+            next.k = reinterpret_cast<const char*>(kp + (h * s.NB + table[j + 1]) * block_elems);
+            next.v = reinterpret_cast<const char*>(vp + (h * s.NB + table[j + 1]) * block_elems);
+            next.bytes = block_elems * static_cast<int64_t>(sizeof(T));
+            next.per_call = (next.bytes / 64 + calls_per_block - 1) / calls_per_block;
+          }
+          const T* kb = kp + (h * s.NB + table[j]) * block_elems;
+          const T* vb = vp + (h * s.NB + table[j]) * block_elems;
+          attend_block(qh, kb, vb, mb, valid == s.BS, s, fscale, st.data(), oh, scores.data(), next);
         }
-        const T* kb = kp + (h * s.NB + table[j]) * block_elems;
-        const T* vb = vp + (h * s.NB + table[j]) * block_elems;
-        attend_block(qh, kb, vb, mb, valid == s.BS, s, fscale, st.data(), oh, scores.data(), next);
-      }
-      for (int64_t g = 0; g < s.G; ++g) {
-        const float inv = st[g].sum > 0.f ? 1.f / st[g].sum : 0.f;
-        float* o = oh + g * s.D;
+        for (int64_t g = 0; g < s.G; ++g) {
+          const float inv = st[g].sum > 0.f ? 1.f / st[g].sum : 0.f;
+          float* o = oh + g * s.D;
 #pragma omp simd
-        for (int64_t d = 0; d < s.D; ++d) o[d] *= inv;
+          for (int64_t d = 0; d < s.D; ++d) o[d] *= inv;
+        }
       }
     }
   });
