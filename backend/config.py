@@ -40,6 +40,9 @@ class EngineConfig:
     # weights (avx512_bf16: faster, lossy, opt-in; else avx512), oneDNN (onednn); or F.linear (aten)
     cpu_gemm: str = "avx512"
     cpu_kernels: bool = True  # CPU float32: our C++ kernels (decode attention, fused layer ops, greedy head); torch path if unbuilt
+    # CPU float32 greedy rows that want no log-prob: the float32 head's argmax found through a bfloat16
+    # LM head and a proven error bound (layers/greedy_screen.py; needs cpu_kernels and AVX512-BF16)
+    greedy_screen: bool = True
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each; see tp_workers.py)
     warmup: bool = True
     enable_metrics: bool = True  # Triton /metrics families (serving only)

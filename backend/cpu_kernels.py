@@ -3,8 +3,9 @@
 Paged decode attention that reads K/V in place from the block pool
 (csrc/paged_decode_attention.cpp), the decoder layer's fused elementwise ops: residual add +
 RMSNorm, rotary embedding + KV write, SiLU * up (csrc/fused_decoder_ops.cpp), and the greedy head's
-argmax + log-prob in one pass (csrc/greedy_head.cpp), and on AVX-512 CPUs the GEMM for the
-linears, weights packed once, in float32 or (opt-in) bfloat16 (csrc/packed_gemm.cpp). torch's JIT
+argmax + log-prob in one pass (csrc/greedy_head.cpp); on AVX-512 CPUs the GEMM for the linears,
+weights packed once, in float32 or (opt-in) bfloat16 (csrc/packed_gemm.cpp), and the float32 greedy
+head's argmax found through a bfloat16 LM head (csrc/screened_greedy_head.cpp). torch's JIT
 extension builder compiles it with the machine's g++ for the machine's own CPU (-march=native) into
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one process at
 a time (`_build_lock`); later processes load the cached build in well under a second.
@@ -34,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 _NAME = "tritonllm_cpu_kernels"
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
-            ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp")]
+            ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp",
+             "screened_greedy_head.cpp")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str
@@ -187,6 +189,14 @@ def packed_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
                      in_features: int) -> torch.Tensor:
     """float32 x [..., in] rounded to bfloat16, @ W^T with float32 sums (+ bias) -> float32 [..., out_features]."""
     return torch.ops.tritonllm.packed_gemm_bf16(x, packed, bias, out_features, in_features)
+
+
+def screened_greedy_head(x: torch.Tensor, approx: torch.Tensor, weight: torch.Tensor,
+                         col_bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 argmax of x @ weight^T from `approx` (bfloat16-GEMM logits) and the error bound
+    ||x|| * col_bounds: x [rows, K], approx [rows, V], weight [V, K], col_bounds [V], all float32
+    -> (ids int64 [rows], how many tokens each row recomputed in float32 int64 [rows])."""
+    return torch.ops.tritonllm.screened_greedy_head(x, approx, weight, col_bounds)
 
 
 def main() -> None:

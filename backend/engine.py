@@ -90,7 +90,8 @@ class Engine:
         budget = min(self.config.max_num_batched_tokens, self.max_model_len)
         self.runner.forward_dummy([budget])
         self.runner.forward_dummy([budget // 2, budget - budget // 2])
-        self.runner.forward_dummy([1] * min(self.config.max_num_seqs, self.runner.num_blocks))
+        # The decode without log-probs: the greedy screen's path where there is one (the others took the float32 head).
+        self.runner.forward_dummy([1] * min(self.config.max_num_seqs, self.runner.num_blocks), logprobs=False)
         logger.info("warm-up took %.2f s", time.perf_counter() - started)
 
     # ---- requests ----------------------------------------------------------------------------

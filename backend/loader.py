@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_kernels
 from .layers.linear import resolve_cpu_gemm
 from .models.llama import LlamaForCausalLM
 from .tensor_parallel import SINGLE, TPShard
@@ -51,10 +52,15 @@ def load_hf_config(folder: Path):
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_position: int,
-               tp: TPShard = SINGLE, cpu_gemm: str = "aten", batch_hint: int = 64) -> LlamaForCausalLM:
+               tp: TPShard = SINGLE, cpu_gemm: str = "aten", batch_hint: int = 64,
+               greedy_screen: bool = False) -> LlamaForCausalLM:
     """On a CPU, `cpu_gemm` "avx512", "avx512_bf16" or "onednn" packs the GEMM weights once for that kernel
     (layers/linear.py; oneDNN's layout tuned for `batch_hint` rows), falling back to the next one
-    down where it cannot run; "aten", and accelerators, keep the weights as they are."""
+    down where it cannot run; "aten", and accelerators, keep the weights as they are.
+
+    `greedy_screen`: also give a float32 LM head the bfloat16 screen for greedy ids
+    (layers/greedy_screen.py) where it can run: CPU, float32, AVX512-BF16, a float32 head.
+    """
     cfg = load_hf_config(folder)
     model = LlamaForCausalLM(cfg, max_position, tp)
     model.load_hf_state_dict(_SafetensorsIndex(folder))
@@ -66,6 +72,11 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     kernel = resolve_cpu_gemm(cpu_gemm, device, dtype)
     if device.type == "cpu" and kernel != cpu_gemm:
         logger.warning("cpu_gemm=%s cannot run for %s on this CPU and build: using %s", cpu_gemm, dtype, kernel)
+    if greedy_screen and device.type == "cpu" and dtype == torch.float32 and kernel != "avx512_bf16":
+        if cpu_kernels.packed_gemm_bf16_supported():
+            model.add_greedy_screen()  # before packing, which frees an untied head's plain weight
+        else:
+            logger.info("greedy_screen: this CPU or build has no AVX512-BF16; the float32 head takes every row")
     if kernel != "aten":
         model.pack_for_cpu(kernel, batch_hint)
     return model

@@ -7,6 +7,7 @@ host inputs to the worker ranks (tp_workers.py) before running it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -72,7 +73,8 @@ class ModelRunner:
                     torch.set_num_threads(self._threads_per_rank())
                 self.workers = TensorParallelWorkers([self._worker_spec(model_dir, r) for r in range(1, self.tp_size)])
             self.model = load_model(model_dir, dtype, device, max_position=max_model_len, tp=self.tp,
-                                    cpu_gemm=config.cpu_gemm, batch_hint=config.max_num_seqs)
+                                    cpu_gemm=config.cpu_gemm, batch_hint=config.max_num_seqs,
+                                    greedy_screen=config.greedy_screen and config.cpu_kernels)
             logger.info("loaded %s (%s, %s, tensor-parallel rank 0 of %d) in %.1f s", model_dir, device, dtype,
                         self.tp_size, time.perf_counter() - started)
             m = self.model
@@ -159,7 +161,7 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def _sampling_batch(self, sampled: list[ScheduledSeq]) -> SamplingBatch:
-        batch = SamplingBatch()
+        batch = SamplingBatch(logprobs=any(it.seq.params.logprobs for it in sampled))
         banned_rows: list[int] = []
         banned_ids: list[int] = []
         for row, item in enumerate(sampled):
@@ -206,11 +208,17 @@ class ModelRunner:
                 raise
         if not inputs.sampled:
             return [], []
+        if self.model.greedy_screen is not None and inputs.sampling.ids_only:
+            ids, _ = self.model.greedy_ids(hidden[dev.logits_rows])
+            return ids.tolist(), [math.nan] * len(inputs.sampled)  # no row asked for its log-prob
         logits = self.model.compute_logits(hidden[dev.logits_rows])
         packed = choose_tokens(logits, inputs.sampling, self.use_cpu_kernels)
-        return unpack_tokens(packed.cpu().numpy())  # the step's one device -> host transfer
+        ids, logprobs = unpack_tokens(packed.cpu().numpy())  # the step's one device -> host transfer
+        if not all(it.seq.params.logprobs for it in inputs.sampled):  # NaN for who did not ask, on every path
+            logprobs = [lp if it.seq.params.logprobs else math.nan for lp, it in zip(logprobs, inputs.sampled)]
+        return ids, logprobs
 
-    def forward_dummy(self, num_tokens_per_seq: list[int]) -> None:
+    def forward_dummy(self, num_tokens_per_seq: list[int], logprobs: bool = True) -> None:
         """Warm-up: one forward over throw-away sequences written into unallocated blocks."""
         from .sampling_params import SamplingParams
         from .sequence import Sequence
@@ -219,7 +227,7 @@ class ModelRunner:
         next_block = 0
         items = []
         for i, n in enumerate(num_tokens_per_seq):
-            seq = Sequence(f"warmup-{i}", [0] * n, SamplingParams(max_tokens=1))
+            seq = Sequence(f"warmup-{i}", [0] * n, SamplingParams(max_tokens=1, logprobs=logprobs))
             nb = -(-n // bs)
             seq.block_table = list(range(next_block, next_block + nb))
             next_block += nb

@@ -125,4 +125,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
             raise InvalidRequestError("text_input is empty")
     else:
         raise InvalidRequestError("the request has no text_input (and no input_ids)")
+    # Log-probs are computed for the requests that return them: the others' greedy ids can come
+    # from the cheaper screened head (layers/greedy_screen.py).
+    params.logprobs = flags.get("return_logprobs", False)
     return ParsedRequest(prompt=prompt, prompt_token_ids=token_ids, params=params, **flags)

@@ -22,7 +22,7 @@ class SamplingParams:
     seed: int | None = None
     priority: int = 0  # lower runs first under scheduling_policy=priority
     skip_special_tokens: bool = True
-    logprobs: bool = True
+    logprobs: bool = True  # each chosen token's log-prob (False: NaN; greedy rows may then use the screened head)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

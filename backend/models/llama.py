@@ -12,6 +12,7 @@ from torch import nn
 
 from .. import cpu_kernels
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
+from ..layers.greedy_screen import GreedyScreen
 from ..layers.linear import Linear, PackedWeight, pack_linears
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -119,6 +120,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tied_head_packed: PackedWeight | None = None  # the tied LM head, packed (pack_for_cpu)
+        self.greedy_screen: GreedyScreen | None = None  # greedy ids through a bfloat16 head (add_greedy_screen)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -145,6 +147,19 @@ class LlamaForCausalLM(nn.Module):
         if self.tied_head_packed is not None:
             return self.tied_head_packed(hidden, None)
         return F.linear(hidden, self.embed_tokens.weight)
+
+    def greedy_ids(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 LM head's argmax per row, through the screen: (ids [rows], tokens recomputed per row)."""
+        return self.greedy_screen(self.norm(hidden))
+
+    def add_greedy_screen(self) -> None:
+        """Give the (float32) LM head a bfloat16 screen for greedy ids (layers/greedy_screen.py).
+
+        Before `pack_for_cpu`: the screen keeps the head's plain weight to recompute rows from
+        (for a tied head, the embedding table itself), which packing frees for an untied head.
+        """
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.greedy_screen = GreedyScreen(head)
 
     def pack_for_cpu(self, kernel: str, batch_hint: int) -> None:
         """Every GEMM weight (and the LM head) packed for `kernel` (layers/linear.py: avx512, avx512_bf16, onednn).

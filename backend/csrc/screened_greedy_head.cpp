@@ -1,0 +1,141 @@
+// The float32 greedy head's token ids from a bfloat16 LM head: a screen with a proven error bound,
+// then the few tokens it cannot rule out recomputed in float32.
+//
+// Why: the LM head is the largest GEMM of a small model's decode step (49152 x 576 for SmolLM2,
+// ~15 % of a batch-64 float32 step), and a greedy row that wants no log-prob needs only its argmax.
+// With a = the logits from bfloat16-rounded x and W summed in float32 (packed_gemm_bf16, ~2x the
+// float32 GEMM's rate), each product's rounding error is at most (2u + u^2)|x_i||w_i| (u = 2^-8),
+// the float32 sums add at most ~K 2^-24 of sum |x_i||w_i| on either side, and Cauchy-Schwarz bounds
+// that sum by ||x|| ||w_j||, so
+//     |exact_j - a_j| <= B_j = ||x|| * col_bound_j,   col_bound_j = c ||w_j||   (c from Python, rounded up).
+// Let L = max_k (a_k - B_k). A token with a_j + B_j < L has exact_j < exact_k for that k, so it is
+// neither the argmax nor tied with it. The rest (1-3 tokens typically on SmolLM2, ~20 at most) get
+// their float32 logit recomputed with the float32 GEMM's own arithmetic (csrc/packed_gemm.cpp: from
+// zero, one FMA per product, in k order), and the argmax among them, lowest index on ties, is the
+// float32 head's argmax bit for bit. The log-prob needs every logit exactly, so rows that want it
+// keep the float32 head (sampler.py).
+//
+// AVX-512 only: the screen comes from the bfloat16 GEMM, which needs AVX512-BF16 anyway.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+
+constexpr int kLanes = 16;   // floats per zmm in the screen's passes
+constexpr int kRescore = 8;  // candidates recomputed per pass over x (64-bit gather indices: 8 lanes)
+
+// ||x|| in double, rounded up to a float: the bound must not come out smaller than the real one.
+float norm_rounded_up(const float* x, int64_t k) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < k; ++i) sum += static_cast<double>(x[i]) * x[i];
+  return std::nextafter(static_cast<float>(std::sqrt(sum)), std::numeric_limits<float>::infinity());
+}
+
+// L = max_j (a_j - xn * bound_j).
+float screen_floor(const float* a, const float* bound, int64_t n, float xn) {
+  const __m512 vxn = _mm512_set1_ps(xn);
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    best = _mm512_max_ps(best, _mm512_fnmadd_ps(vxn, _mm512_loadu_ps(bound + j), _mm512_loadu_ps(a + j)));
+  float floor = _mm512_reduce_max_ps(best);
+  for (; j < n; ++j) floor = std::max(floor, a[j] - xn * bound[j]);
+  return floor;
+}
+
+// Every j with a_j + xn * bound_j >= floor, in increasing order.
+void screen_candidates(const float* a, const float* bound, int64_t n, float xn, float floor,
+                       std::vector<int64_t>& out) {
+  out.clear();
+  const __m512 vxn = _mm512_set1_ps(xn), vfloor = _mm512_set1_ps(floor);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const __m512 top = _mm512_fmadd_ps(vxn, _mm512_loadu_ps(bound + j), _mm512_loadu_ps(a + j));
+    for (uint32_t hit = _mm512_cmp_ps_mask(top, vfloor, _CMP_GE_OQ); hit; hit &= hit - 1)
+      out.push_back(j + __builtin_ctz(hit));
+  }
+  for (; j < n; ++j)
+    if (a[j] + xn * bound[j] >= floor) out.push_back(j);
+}
+
+// The float32 logits of up to 8 candidate rows of W, each lane summed as the float32 GEMM sums
+// one output: from zero, one FMA per product, k in order.
+__m256 exact_logits(const float* x, int64_t k, const float* w, int64_t ldw, const int64_t* cand, int count) {
+  alignas(64) int64_t offsets[kRescore];
+  for (int i = 0; i < kRescore; ++i) offsets[i] = cand[i < count ? i : 0] * ldw;  // spare lanes repeat the first
+  const __m512i vofs = _mm512_load_si512(offsets);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; ++i)
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(x[i]), _mm512_i64gather_ps(vofs, w + i, sizeof(float)), acc);
+  return acc;
+}
+
+#endif
+
+std::tuple<at::Tensor, at::Tensor> screened_greedy_head(const at::Tensor& x_in, const at::Tensor& approx_in,
+                                                        const at::Tensor& weight_in, const at::Tensor& bound_in) {
+  TORCH_CHECK(x_in.dim() == 2 && approx_in.dim() == 2 && weight_in.dim() == 2 && bound_in.dim() == 1,
+              "screened_greedy_head: x [rows, K], approx [rows, V], weight [V, K], col_bounds [V]");
+  for (const at::Tensor* t : {&x_in, &approx_in, &weight_in, &bound_in})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "screened_greedy_head: float32 only");
+  const int64_t rows = x_in.size(0), k = x_in.size(1), vocab = weight_in.size(0);
+  TORCH_CHECK(vocab > 0 && weight_in.size(1) == k && approx_in.size(0) == rows && approx_in.size(1) == vocab &&
+                  bound_in.size(0) == vocab,
+              "screened_greedy_head: shapes do not match (x ", x_in.sizes(), ", approx ", approx_in.sizes(),
+              ", weight ", weight_in.sizes(), ", col_bounds ", bound_in.sizes(), ")");
+  const at::Tensor x = x_in.contiguous(), approx = approx_in.contiguous(), weight = weight_in.contiguous(),
+                   bound = bound_in.contiguous();
+  at::Tensor ids = at::zeros({rows}, x.options().dtype(at::kLong));
+  at::Tensor candidates = at::zeros({rows}, x.options().dtype(at::kLong));
+#if defined(__AVX512F__)
+  const float *xp = x.data_ptr<float>(), *ap = approx.data_ptr<float>(), *wp = weight.data_ptr<float>(),
+              *bp = bound.data_ptr<float>();
+  int64_t *ip = ids.data_ptr<int64_t>(), *cp = candidates.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> cand;
+    alignas(32) float exact[kRescore];
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * k;
+      const float* ar = ap + r * vocab;
+      const float xn = norm_rounded_up(xr, k);
+      if (!std::isfinite(xn)) continue;  // NaN or inf in x: no logit means anything; id 0, no candidates
+      screen_candidates(ar, bp, vocab, xn, screen_floor(ar, bp, vocab, xn), cand);
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t best_id = cand.empty() ? 0 : cand[0];
+      for (size_t c0 = 0; c0 < cand.size(); c0 += kRescore) {
+        const int count = static_cast<int>(std::min<size_t>(kRescore, cand.size() - c0));
+        _mm256_store_ps(exact, exact_logits(xr, k, wp, k, cand.data() + c0, count));
+        for (int i = 0; i < count; ++i)
+          if (exact[i] > best) best = exact[i], best_id = cand[c0 + i];  // strict: the lowest index keeps a tie
+      }
+      ip[r] = best_id;
+      cp[r] = static_cast<int64_t>(cand.size());
+    }
+  });
+#else
+  TORCH_CHECK(false, "screened_greedy_head: built without AVX-512");
+#endif
+  return {ids, candidates};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
+  m.def("screened_greedy_head(Tensor x, Tensor approx, Tensor weight, Tensor col_bounds) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("screened_greedy_head", &screened_greedy_head); }

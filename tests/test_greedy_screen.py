@@ -1,0 +1,109 @@
+"""The screened greedy head (layers/greedy_screen.py, csrc/screened_greedy_head.cpp): the float32 head's
+ids, ties included, from a bfloat16 LM head and its error bound; and the engine using it only for
+rows that want no log-prob."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tritonllm import cpu_kernels
+from tritonllm.layers.greedy_screen import GreedyScreen, error_bound_factor
+
+avx512_bf16 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_bf16_supported()),
+                                 reason="kernels built without AVX512-BF16 (this CPU lacks it)")
+
+
+def float32_head_ids(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """What the default float32 path picks: our float32 GEMM, then the greedy head's argmax."""
+    logits = cpu_kernels.packed_gemm(x, cpu_kernels.pack_gemm_weight(weight), None, weight.shape[0])
+    return cpu_kernels.greedy_head(logits)[0]
+
+
+@avx512_bf16
+@pytest.mark.parametrize("rows,vocab,hidden", [(1, 7, 37), (5, 1000, 576), (64, 49152, 576), (3, 40, 1)])
+def test_screen_ids_equal_the_float32_head_including_ties(rows, vocab, hidden):
+    gen = torch.Generator().manual_seed(rows + vocab)
+    weight = torch.randn(vocab, hidden, generator=gen) * 0.05
+    x = torch.randn(rows, hidden, generator=gen) * 2
+    tied = weight[vocab // 2]
+    weight[vocab // 2] = tied / tied.norm() * weight.norm(dim=1).max() * 1.5  # the longest row, so x below picks it
+    weight[vocab - 1] = weight[vocab // 2]  # an exact tie: the lower index wins
+    if vocab > 3:
+        weight[2] = torch.nextafter(weight[1], torch.tensor(1.0))  # one ulp apart: far inside the bf16 error
+        x[-1] = weight[1] * 40
+    x[0] = weight[vocab // 2] * 40  # the tied pair is this row's argmax
+    ids, candidates = GreedyScreen(weight)(x)
+    assert torch.equal(ids, float32_head_ids(weight, x))
+    assert ids[0] == vocab // 2
+    assert bool((candidates >= 1).all())
+
+
+@avx512_bf16
+def test_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_model(hf_model, tokenizer):
+    """Real hidden states and the real (tied) head: every bfloat16 logit within its bound of the
+    float32 one, and only a handful of the 49,152 tokens left to recompute per row."""
+    head = hf_model.get_output_embeddings().weight.detach().float().contiguous()
+    screen = GreedyScreen(head)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a paged KV cache works."}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([list(ids)]), max_new_tokens=32, do_sample=False,
+                                pad_token_id=tokenizer.eos_token_id)
+        hidden = hf_model(out, output_hidden_states=True).hidden_states[-1][0].contiguous()  # after the final norm
+    exact = hidden @ head.T
+    approx = cpu_kernels.packed_gemm_bf16(hidden, screen.packed, None, head.shape[0], head.shape[1])
+    bound = hidden.double().norm(dim=1, keepdim=True) * screen.col_bounds.double()
+    assert bool(((exact.double() - approx.double()).abs() <= bound).all())
+    got, candidates = screen(hidden)
+    assert torch.equal(got, float32_head_ids(head, hidden))
+    assert candidates.float().median() <= 4 and candidates.max() <= 64, candidates.tolist()
+
+
+def test_error_bound_factor_covers_bfloat16_rounding():
+    # Two bfloat16 roundings (2^-8 each) and the float32 sums: just over 2^-7 for K = 576.
+    assert 2 ** -7 < error_bound_factor(576) < 2 ** -7 * 1.05
+
+
+@avx512_bf16
+def test_screen_rejects_bad_shapes_and_gives_id_0_for_a_nan_row():
+    weight = torch.randn(50, 8)
+    screen = GreedyScreen(weight)
+    x = torch.randn(2, 8)
+    x[1, 3] = math.nan
+    ids, candidates = screen(x)
+    assert ids[1] == 0 and candidates[1] == 0 and candidates[0] >= 1
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpu_kernels.screened_greedy_head(x, torch.zeros(2, 49), weight, screen.col_bounds)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        cpu_kernels.screened_greedy_head(x.double(), torch.zeros(2, 50), weight, screen.col_bounds)
+    with pytest.raises(ValueError, match="float32"):
+        GreedyScreen(weight.double())
+
+
+@avx512_bf16
+def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_asked(model_dir):
+    from tritonllm.config import EngineConfig
+    from tritonllm.engine import Engine
+    from tritonllm.sampling_params import SamplingParams
+
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+               "Once upon a time, in a small village by the mountains, there lived"]
+    ids_only = SamplingParams(max_tokens=24, logprobs=False)
+    outputs = {}
+    for on in (True, False):
+        engine = Engine(EngineConfig(model=str(model_dir), num_threads=2, greedy_screen=on, num_kv_blocks=256,
+                                     warmup=False))
+        assert (engine.runner.model.greedy_screen is not None) is on
+        outputs[on] = [o.token_ids for o in engine.generate(prompts, ids_only)]
+        if on:  # one request wants log-probs, three do not, in the same steps: it gets them, they get NaN
+            rids = [engine.add_request(p, SamplingParams(max_tokens=8, logprobs=i == 0)) for i, p in enumerate(prompts)]
+            lps = {rid: [] for rid in rids}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    lps[out.request_id] += out.new_logprobs
+            assert all(lp <= 0 and math.isfinite(lp) for lp in lps[rids[0]])
+            assert all(math.isnan(lp) for rid in rids[1:] for lp in lps[rid])
+    assert outputs[True] == outputs[False]
