@@ -107,3 +107,36 @@ def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_a
             assert all(lp <= 0 and math.isfinite(lp) for lp in lps[rids[0]])
             assert all(math.isnan(lp) for rid in rids[1:] for lp in lps[rid])
     assert outputs[True] == outputs[False]
+
+
+@avx512_bf16
+def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_path):
+    """An untied LM head's plain weight is freed when it is packed; the screen must keep its own."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tritonllm.config import EngineConfig
+    from tritonllm.engine import Engine
+    from tritonllm.sampling_params import SamplingParams
+
+    untied = tmp_path / "untied"
+    shutil.copytree(model_dir, untied, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(model_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embed + torch.randn(embed.shape, generator=gen, dtype=embed.dtype) * 0.01
+    save_file(tensors, untied / "model.safetensors")
+    config = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+
+    outputs = {}
+    for on in (True, False):
+        engine = Engine(EngineConfig(model=str(untied), num_threads=2, greedy_screen=on, num_kv_blocks=128,
+                                     warmup=False))
+        model = engine.runner.model
+        assert model.lm_head is not None and (model.greedy_screen is not None) is on
+        outputs[on] = [o.token_ids for o in engine.generate(["The capital of France is", "Hi"],
+                                                             SamplingParams(max_tokens=16, logprobs=False))]
+    assert outputs[True] == outputs[False]

@@ -3,7 +3,9 @@
 A greedy row that wants no log-prob needs only the argmax of its float32 logits. The screen computes
 all logits with the bfloat16 GEMM (csrc/packed_gemm.cpp, ~2x the float32 rate), bounds each one's
 error by ||x|| * col_bounds[j], and recomputes in float32 only the tokens that bound cannot rule out
-(csrc/screened_greedy_head.cpp): the ids are those of the float32 head, ties included. Rows that want
+(csrc/screened_greedy_head.cpp) with the float32 GEMM's own arithmetic: the ids are those of the
+float32 head on `cpu_gemm=avx512`, ties included (oneDNN and MKL order their sums otherwise, and can
+differ from it, and from each other, where two logits are within float32 rounding). Rows that want
 their log-prob, sample, or have banned tokens take the float32 head (model_runner.py).
 
 Needs AVX-512 with BF16 (`cpu_kernels.packed_gemm_bf16_supported()`); it costs a bfloat16 copy of the
