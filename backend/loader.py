@@ -58,8 +58,9 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     (layers/linear.py; oneDNN's layout tuned for `batch_hint` rows), falling back to the next one
     down where it cannot run; "aten", and accelerators, keep the weights as they are.
 
-    `greedy_screen`: also give a float32 LM head the bfloat16 screen for greedy ids
-    (layers/greedy_screen.py) where it can run: CPU, float32, AVX512-BF16, a float32 head.
+    `greedy_screen`: also give the LM head the bfloat16 screen for float32 greedy ids
+    (layers/greedy_screen.py) where it can run: CPU, a float32 model, AVX512-BF16. With
+    `avx512_bf16` it makes the greedy ids those of a float32 head on the same hidden states.
     """
     cfg = load_hf_config(folder)
     model = LlamaForCausalLM(cfg, max_position, tp)
@@ -72,7 +73,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     kernel = resolve_cpu_gemm(cpu_gemm, device, dtype)
     if device.type == "cpu" and kernel != cpu_gemm:
         logger.warning("cpu_gemm=%s cannot run for %s on this CPU and build: using %s", cpu_gemm, dtype, kernel)
-    if greedy_screen and device.type == "cpu" and dtype == torch.float32 and kernel != "avx512_bf16":
+    if greedy_screen and device.type == "cpu" and dtype == torch.float32:
         if cpu_kernels.packed_gemm_bf16_supported():
             model.add_greedy_screen()  # before packing, which frees an untied head's plain weight
         else:

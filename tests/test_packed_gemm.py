@@ -167,7 +167,8 @@ def test_engine_with_bf16_gemm_equals_float32_with_bf16_rounded_gemm_operands():
     """`cpu_gemm=avx512_bf16` is exactly: every GEMM's x and W rounded to bfloat16, all else float32.
 
     The reference is the plain-torch engine with its Linear weights rounded and a hook rounding
-    their inputs; the tied LM head rounds its own copy (the embedding lookup keeps float32)."""
+    their inputs; the tied LM head rounds its own copy (the embedding lookup keeps float32). Requests
+    without log-probs take the greedy screen, whose ids are a float32 head's on the same hidden states."""
     from tritonllm.config import EngineConfig
     from tritonllm.engine import Engine
     from tritonllm.layers.linear import Linear
@@ -176,9 +177,12 @@ def test_engine_with_bf16_gemm_equals_float32_with_bf16_rounded_gemm_operands():
                "Once upon a time, in a small village by the mountains, there lived"]
     params = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
     engine = Engine(EngineConfig(device="cpu", num_threads=2, cpu_gemm="avx512_bf16", num_kv_blocks=256, warmup=False))
-    assert engine.runner.model.layers[0].mlp.down_proj.packed.kernel == "avx512_bf16"
+    model = engine.runner.model
+    assert model.layers[0].mlp.down_proj.packed.kernel == "avx512_bf16"
+    assert model.tied_head_packed.data is model.greedy_screen.packed  # one bfloat16 copy of the head
     got = [o.token_ids for o in engine.generate(prompts, params)]
-    del engine
+    got_ids_only = [o.token_ids for o in engine.generate(prompts, {**params, "logprobs": False})]
+    del engine, model
 
     reference = Engine(EngineConfig(device="cpu", num_threads=2, cpu_gemm="aten", num_kv_blocks=256, warmup=False))
     model = reference.runner.model
@@ -189,3 +193,5 @@ def test_engine_with_bf16_gemm_equals_float32_with_bf16_rounded_gemm_operands():
     head = bf16_rounded(model.embed_tokens.weight.data)
     model.tied_head_packed = lambda hidden, bias: F.linear(bf16_rounded(hidden), head)
     assert [o.token_ids for o in reference.generate(prompts, params)] == got
+    model.tied_head_packed = lambda hidden, bias: F.linear(hidden, model.embed_tokens.weight)
+    assert [o.token_ids for o in reference.generate(prompts, params)] == got_ids_only

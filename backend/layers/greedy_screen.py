@@ -8,6 +8,9 @@ float32 head on `cpu_gemm=avx512`, ties included (oneDNN and MKL order their sum
 differ from it, and from each other, where two logits are within float32 rounding). Rows that want
 their log-prob, sample, or have banned tokens take the float32 head (model_runner.py).
 
+With `cpu_gemm=avx512_bf16` (every GEMM in bfloat16) the screen makes the head's choice the float32
+one on the same hidden states, which keeps more outputs equal to the float32 model's.
+
 Needs AVX-512 with BF16 (`cpu_kernels.packed_gemm_bf16_supported()`); it costs a bfloat16 copy of the
 LM head (vocab x hidden x 2 bytes) and keeps a plain float32 one to recompute rows from (for a tied
 head that is the embedding table itself).

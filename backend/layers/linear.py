@@ -54,13 +54,16 @@ class PackedWeight:
     """An [out, in] weight packed once for a CPU GEMM kernel; `self(x, bias)` is `F.linear(x, W, bias)`.
 
     `batch_hint` is the row count oneDNN tunes its layout for (any row count works with it).
+    `packed`: this weight already packed for `kernel` elsewhere, to share instead of packing again.
     """
 
-    def __init__(self, weight: torch.Tensor, kernel: str, batch_hint: int):
+    def __init__(self, weight: torch.Tensor, kernel: str, batch_hint: int, packed: torch.Tensor | None = None):
         self.kernel = kernel
         self.out_features, self.in_features = weight.shape
         weight = weight.detach().contiguous()
-        if kernel == "avx512":
+        if packed is not None:
+            self.data = packed
+        elif kernel == "avx512":
             self.data = cpu_kernels.pack_gemm_weight(weight)
         elif kernel == "avx512_bf16":
             self.data = cpu_kernels.pack_gemm_weight_bf16(weight)

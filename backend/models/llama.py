@@ -164,11 +164,13 @@ class LlamaForCausalLM(nn.Module):
     def pack_for_cpu(self, kernel: str, batch_hint: int) -> None:
         """Every GEMM weight (and the LM head) packed for `kernel` (layers/linear.py: avx512, avx512_bf16, onednn).
 
-        A tied LM head gets its own packed copy: the embedding lookup still needs the plain table.
+        A tied LM head gets its own packed copy: the embedding lookup still needs the plain table
+        (with avx512_bf16 and a greedy screen, the screen's bfloat16 copy, which is the same panels).
         """
         pack_linears(self, kernel, batch_hint)
         if self.lm_head is None:
-            self.tied_head_packed = PackedWeight(self.embed_tokens.weight, kernel, batch_hint)
+            shared = self.greedy_screen.packed if kernel == "avx512_bf16" and self.greedy_screen is not None else None
+            self.tied_head_packed = PackedWeight(self.embed_tokens.weight, kernel, batch_hint, packed=shared)
 
     def load_hf_state_dict(self, tensors) -> None:
         """Copy Hugging Face weights into the fused layout, keeping only this rank's shard.
