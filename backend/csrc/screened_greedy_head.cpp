@@ -13,7 +13,7 @@
 // their float32 logit recomputed with the float32 GEMM's own arithmetic (csrc/packed_gemm.cpp: from
 // zero, one FMA per product, in k order), and the argmax among them, lowest index on ties, is the
 // float32 head's argmax bit for bit. The log-prob needs every logit exactly, so rows that want it
-// keep the float32 head (sampler.py).
+// keep the float32 head (model_runner.py).
 //
 // AVX-512 only: the screen comes from the bfloat16 GEMM, which needs AVX512-BF16 anyway.
 
@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
