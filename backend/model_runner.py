@@ -161,7 +161,7 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def _sampling_batch(self, sampled: list[ScheduledSeq]) -> SamplingBatch:
-        batch = SamplingBatch(logprobs=any(it.seq.params.logprobs for it in sampled))
+        batch = SamplingBatch()
         banned_rows: list[int] = []
         banned_ids: list[int] = []
         for row, item in enumerate(sampled):
@@ -208,14 +208,32 @@ class ModelRunner:
                 raise
         if not inputs.sampled:
             return [], []
-        if self.model.greedy_screen is not None and inputs.sampling.ids_only:
-            ids, _ = self.model.greedy_ids(hidden[dev.logits_rows])
-            return ids.tolist(), [math.nan] * len(inputs.sampled)  # no row asked for its log-prob
+        wants_logprob = [it.seq.params.logprobs for it in inputs.sampled]
+        sampling = inputs.sampling
+        if (self.model.greedy_screen is not None and sampling.temperatures is None and sampling.banned_rows is None
+                and not all(wants_logprob)):
+            return self._greedy_tokens_screened(hidden[dev.logits_rows], wants_logprob)
         logits = self.model.compute_logits(hidden[dev.logits_rows])
         packed = choose_tokens(logits, inputs.sampling, self.use_cpu_kernels)
         ids, logprobs = unpack_tokens(packed.cpu().numpy())  # the step's one device -> host transfer
-        if not all(it.seq.params.logprobs for it in inputs.sampled):  # NaN for who did not ask, on every path
-            logprobs = [lp if it.seq.params.logprobs else math.nan for lp, it in zip(logprobs, inputs.sampled)]
+        if not all(wants_logprob):  # NaN for who did not ask, on every path
+            logprobs = [lp if wants else math.nan for lp, wants in zip(logprobs, wants_logprob)]
+        return ids, logprobs
+
+    def _greedy_tokens_screened(self, rows: torch.Tensor, wants_logprob: list[bool]) -> tuple[list[int], list[float]]:
+        """An all-greedy step on CPU: the rows that want no log-prob take the greedy screen
+        (layers/greedy_screen.py), the others the float32 head; the ids are the same either way."""
+        screened = [i for i, wants in enumerate(wants_logprob) if not wants]
+        asking = [i for i, wants in enumerate(wants_logprob) if wants]
+        ids, logprobs = [0] * len(wants_logprob), [math.nan] * len(wants_logprob)
+        got, _ = self.model.greedy_ids(rows if not asking else rows[screened])
+        for i, token in zip(screened, got.tolist()):
+            ids[i] = token
+        if asking:
+            logits = self.model.compute_logits(rows[asking])
+            asked_ids, asked_logprobs = unpack_tokens(choose_tokens(logits, SamplingBatch(), self.use_cpu_kernels).numpy())
+            for i, token, logprob in zip(asking, asked_ids, asked_logprobs):
+                ids[i], logprobs[i] = token, logprob
         return ids, logprobs
 
     def forward_dummy(self, num_tokens_per_seq: list[int], logprobs: bool = True) -> None:

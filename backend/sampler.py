@@ -25,12 +25,6 @@ class SamplingBatch:
     generators: list | None = None  # per row: torch.Generator or None
     banned_rows: torch.Tensor | None = None  # with banned_ids: (row, token) pairs to suppress (min_tokens)
     banned_ids: torch.Tensor | None = None
-    logprobs: bool = True  # some row wants its chosen token's log-prob
-
-    @property
-    def ids_only(self) -> bool:
-        """Every row greedy, nothing banned, no log-prob wanted: the argmax is all the step needs."""
-        return self.temperatures is None and self.banned_rows is None and not self.logprobs
 
 
 def choose_tokens(logits: torch.Tensor, batch: SamplingBatch, cpu_kernel: bool = False) -> torch.Tensor:

@@ -98,14 +98,18 @@ def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_a
                                      warmup=False))
         assert (engine.runner.model.greedy_screen is not None) is on
         outputs[on] = [o.token_ids for o in engine.generate(prompts, ids_only)]
-        if on:  # one request wants log-probs, three do not, in the same steps: it gets them, they get NaN
+        if on:  # one request wants log-probs, three do not, in the same steps: it gets them (the float32
+            # head), they get NaN (the screen), and every id is the one it had alone
             rids = [engine.add_request(p, SamplingParams(max_tokens=8, logprobs=i == 0)) for i, p in enumerate(prompts)]
             lps = {rid: [] for rid in rids}
+            mixed = {rid: [] for rid in rids}
             while engine.has_unfinished():
                 for out in engine.step():
                     lps[out.request_id] += out.new_logprobs
+                    mixed[out.request_id] += out.new_token_ids
             assert all(lp <= 0 and math.isfinite(lp) for lp in lps[rids[0]])
             assert all(math.isnan(lp) for rid in rids[1:] for lp in lps[rid])
+            assert [mixed[rid] for rid in rids] == [ids[:8] for ids in outputs[True]]
     assert outputs[True] == outputs[False]
 
 

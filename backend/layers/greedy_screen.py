@@ -5,8 +5,9 @@ all logits with the bfloat16 GEMM (csrc/packed_gemm.cpp, ~2x the float32 rate), 
 error by ||x|| * col_bounds[j], and recomputes in float32 only the tokens that bound cannot rule out
 (csrc/screened_greedy_head.cpp) with the float32 GEMM's own arithmetic: the ids are those of the
 float32 head on `cpu_gemm=avx512`, ties included (oneDNN and MKL order their sums otherwise, and can
-differ from it, and from each other, where two logits are within float32 rounding). Rows that want
-their log-prob, sample, or have banned tokens take the float32 head (model_runner.py).
+differ from it, and from each other, where two logits are within float32 rounding). In an all-greedy
+step the rows that want their log-prob take the float32 head; a step with a sampled row or banned
+tokens takes it for every row (model_runner.py).
 
 With `cpu_gemm=avx512_bf16` (every GEMM in bfloat16) the screen makes the head's choice the float32
 one on the same hidden states, which keeps more outputs equal to the float32 model's.
