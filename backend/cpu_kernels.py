@@ -7,8 +7,9 @@ argmax + log-prob in one pass (csrc/greedy_head.cpp); on AVX-512 CPUs the GEMM f
 weights packed once, in float32 or (opt-in) bfloat16 (csrc/packed_gemm.cpp), and the float32 greedy
 head's argmax found through a bfloat16 LM head (csrc/screened_greedy_head.cpp). torch's JIT
 extension builder compiles it with the machine's g++ for the machine's own CPU (-march=native) into
-torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one process at
-a time (`_build_lock`); later processes load the cached build in well under a second.
+torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one folder per
+checkout, one process at a time (`_build_lock`); later processes load the cached build in well under a
+second.
 `scripts/install.sh` builds it ahead of time so that no server start pays for the compiler. Where
 it cannot be built (no compiler, another OS), `load()` returns False with the reason logged and the
 engine keeps the pure-torch path, which gives the same results.
@@ -73,13 +74,17 @@ def _headers_flag() -> str:
 
 
 def _build_directory() -> Path:
-    """Where torch's builder keeps this extension (TORCH_EXTENSIONS_DIR or its default root)."""
+    """Where torch's builder keeps this extension (TORCH_EXTENSIONS_DIR or its default root): one
+    folder per checkout. torch's builder rebuilds whenever the source paths differ from the last
+    build's, so two checkouts (or installs) sharing one folder would recompile each other's build at
+    every server start (~30 s of compiler before the model loads)."""
+    folder = f"{_NAME}-{hashlib.sha256(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:12]}"
     try:
         from torch.utils.cpp_extension import _get_build_directory
-        return Path(_get_build_directory(_NAME, verbose=False))
+        return Path(_get_build_directory(folder, verbose=False))
     except ImportError:  # a torch without the helper: the documented root, one folder per extension
         from torch.utils.cpp_extension import get_default_build_root
-        path = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / _NAME
+        path = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / folder
         path.mkdir(parents=True, exist_ok=True)
         return path
 

@@ -38,6 +38,19 @@ def test_a_lock_file_left_by_a_killed_load_does_not_stop_the_next_load():
     assert done.returncode == 0 and "ready" in done.stdout, done.stdout + done.stderr
 
 
+
+def test_each_checkout_keeps_its_own_build(monkeypatch, tmp_path):
+    """torch rebuilds an extension whose source paths changed: two checkouts sharing one build
+    folder would recompile each other's kernels at every server start."""
+    here = cpu_kernels._build_directory()
+    assert here == cpu_kernels._build_directory() and here.is_dir()
+    monkeypatch.setattr(cpu_kernels, "_SOURCES", [tmp_path / "csrc" / s.name for s in cpu_kernels._SOURCES])
+    other = cpu_kernels._build_directory()
+    try:
+        assert other != here and other.parent == here.parent
+    finally:
+        other.rmdir()
+
 def _case(batch: int, kv_heads: int, per_kv: int, max_blocks: int, seed: int, head_dim: int = 64, block_size: int = 16):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = batch * max_blocks + 8
