@@ -57,13 +57,26 @@ def resolve_model_dir(model: str) -> Path:
 
 
 def _converted_dir_for(gguf: Path) -> Path:
+    """The cache folder for this file's content, so the same GGUF in two installs (two virtual
+    environments, a fresh clone beside a working one) is converted and stored once. Hashing ~100 MB
+    takes ~0.2 s, so the content key is remembered per path, size and mtime in `index/`."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    where = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    memo = cache_dir() / "index" / where
+    try:
+        key = memo.read_text().strip()
+    except OSError:
+        with gguf.open("rb") as f:
+            key = hashlib.file_digest(f, "sha256").hexdigest()[:12]
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{where}.tmp{os.getpid()}")
+        tmp.write_text(key + "\n")
+        tmp.replace(memo)  # atomic: a concurrent reader sees the whole key or none
     return cache_dir() / f"{gguf.stem}-{key}"
 
 
 def convert_gguf(gguf: Path) -> Path:
-    """Dequantise a GGUF file to a float32 safetensors folder (once; cached by path, size, mtime)."""
+    """Dequantise a GGUF file to a float32 safetensors folder (once; cached by content)."""
     out = _converted_dir_for(gguf)
     if (out / ".complete").is_file():
         return out
