@@ -1,11 +1,12 @@
-"""Our C++ CPU kernels (backend/csrc/), compiled once per machine on first use and cached.
+"""Our C++ CPU kernels (backend/csrc/), compiled once per checkout on first use and cached.
 
 Paged decode attention that reads K/V in place from the block pool
 (csrc/paged_decode_attention.cpp), the decoder layer's fused elementwise ops: residual add +
 RMSNorm, rotary embedding + KV write, SiLU * up (csrc/fused_decoder_ops.cpp), and the greedy head's
 argmax + log-prob in one pass (csrc/greedy_head.cpp); on AVX-512 CPUs the GEMM for the linears,
-weights packed once, in float32 or (opt-in) bfloat16 (csrc/packed_gemm.cpp), and the float32 greedy
-head's argmax found through a bfloat16 LM head (csrc/screened_greedy_head.cpp). torch's JIT
+weights packed once, in float32 or (opt-in) bfloat16, and float32 weights that are exactly 4-bit
+also as their 4-bit blocks (csrc/packed_gemm.cpp), and the float32 greedy head's argmax found
+through a bfloat16 LM head (csrc/screened_greedy_head.cpp). torch's JIT
 extension builder compiles it with the machine's g++ for the machine's own CPU (-march=native) into
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one folder per
 checkout, one process at a time (`_build_lock`); later processes load the cached build in well under a
@@ -178,6 +179,18 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) -> [..., out_features], W as packed by `pack_gemm_weight`."""
     return torch.ops.tritonllm.packed_gemm(x, packed, bias, out_features)
+
+
+def pack_gemm_weight_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W = fl(fl(d * q) + m) per block of 32 along K, from q [out, in] uint8 (0..15) and d, m
+    [out, in / 32] float32 -> (nibbles, dm), the layout `packed_gemm_q4` reads."""
+    return torch.ops.tritonllm.pack_gemm_weight_q4(q, d, m)
+
+
+def packed_gemm_q4(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """`packed_gemm` on the 4-bit blocks of the same weight: the same float32 result, bit for bit."""
+    return torch.ops.tritonllm.packed_gemm_q4(x, nibbles, dm, bias, out_features)
 
 
 def packed_gemm_bf16_supported() -> bool:

@@ -53,7 +53,7 @@ def load_hf_config(folder: Path):
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_position: int,
                tp: TPShard = SINGLE, cpu_gemm: str = "aten", batch_hint: int = 64,
-               greedy_screen: bool = False) -> LlamaForCausalLM:
+               greedy_screen: bool = False, exact_q4: bool = False) -> LlamaForCausalLM:
     """On a CPU, `cpu_gemm` "avx512", "avx512_bf16" or "onednn" packs the GEMM weights once for that kernel
     (layers/linear.py; oneDNN's layout tuned for `batch_hint` rows), falling back to the next one
     down where it cannot run; "aten", and accelerators, keep the weights as they are.
@@ -61,6 +61,9 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     `greedy_screen`: also give the LM head the bfloat16 screen for float32 greedy ids
     (layers/greedy_screen.py) where it can run: CPU, a float32 model, AVX512-BF16. With
     `avx512_bf16` it makes the greedy ids those of a float32 head on the same hidden states.
+
+    `exact_q4` (with `avx512`): linears whose float32 weights are exactly 4-bit blocks (a GGUF Q4_1
+    origin, layers/exact_q4.py) also keep those blocks, which steps of few rows read instead.
     """
     cfg = load_hf_config(folder)
     model = LlamaForCausalLM(cfg, max_position, tp)
@@ -79,7 +82,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
         else:
             logger.info("greedy_screen: this CPU or build has no AVX512-BF16; the float32 head takes every row")
     if kernel != "aten":
-        model.pack_for_cpu(kernel, batch_hint)
+        model.pack_for_cpu(kernel, batch_hint, exact_q4)
     return model
 
 

@@ -74,7 +74,8 @@ class ModelRunner:
                 self.workers = TensorParallelWorkers([self._worker_spec(model_dir, r) for r in range(1, self.tp_size)])
             self.model = load_model(model_dir, dtype, device, max_position=max_model_len, tp=self.tp,
                                     cpu_gemm=config.cpu_gemm, batch_hint=config.max_num_seqs,
-                                    greedy_screen=config.greedy_screen and config.cpu_kernels)
+                                    greedy_screen=config.greedy_screen and config.cpu_kernels,
+                                    exact_q4=config.exact_q4_weights)
             logger.info("loaded %s (%s, %s, tensor-parallel rank 0 of %d) in %.1f s", model_dir, device, dtype,
                         self.tp_size, time.perf_counter() - started)
             m = self.model

@@ -161,13 +161,14 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.greedy_screen = GreedyScreen(head)
 
-    def pack_for_cpu(self, kernel: str, batch_hint: int) -> None:
-        """Every GEMM weight (and the LM head) packed for `kernel` (layers/linear.py: avx512, avx512_bf16, onednn).
+    def pack_for_cpu(self, kernel: str, batch_hint: int, exact_q4: bool = False) -> None:
+        """Every GEMM weight (and the LM head) packed for `kernel` (layers/linear.py: avx512, avx512_bf16, onednn;
+        `exact_q4`: exactly-4-bit weights also as 4-bit blocks for steps of few rows).
 
         A tied LM head gets its own packed copy: the embedding lookup still needs the plain table
         (with avx512_bf16 and a greedy screen, the screen's bfloat16 copy, which is the same panels).
         """
-        pack_linears(self, kernel, batch_hint)
+        pack_linears(self, kernel, batch_hint, exact_q4)
         if self.lm_head is None:
             shared = self.greedy_screen.packed if kernel == "avx512_bf16" and self.greedy_screen is not None else None
             self.tied_head_packed = PackedWeight(self.embed_tokens.weight, kernel, batch_hint, packed=shared)
