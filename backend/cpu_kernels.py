@@ -4,9 +4,9 @@ Paged decode attention that reads K/V in place from the block pool
 (csrc/paged_decode_attention.cpp), the decoder layer's fused elementwise ops: residual add +
 RMSNorm, rotary embedding + KV write, SiLU * up (csrc/fused_decoder_ops.cpp), and the greedy head's
 argmax + log-prob in one pass (csrc/greedy_head.cpp); on AVX-512 CPUs the GEMM for the linears,
-weights packed once, in float32 or (opt-in) bfloat16, and float32 weights that are exactly 4-bit
-also as their 4-bit blocks (csrc/packed_gemm.cpp), and the float32 greedy head's argmax found
-through a bfloat16 LM head (csrc/screened_greedy_head.cpp). torch's JIT
+weights packed once, in float32 or (opt-in) bfloat16 (csrc/packed_gemm.cpp), and on float32 weights
+that are exactly quantized blocks read as those blocks (csrc/exact_block_gemm.cpp); and the float32
+greedy head's argmax found through a bfloat16 LM head (csrc/screened_greedy_head.cpp). torch's JIT
 extension builder compiles it with the machine's g++ for the machine's own CPU (-march=native) into
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one folder per
 checkout, one process at a time (`_build_lock`); later processes load the cached build in well under a
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 _NAME = "tritonllm_cpu_kernels"
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp",
-             "screened_greedy_head.cpp")]
+             "screened_greedy_head.cpp", "exact_block_gemm.cpp")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str
@@ -181,16 +181,17 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.tritonllm.packed_gemm(x, packed, bias, out_features)
 
 
-def pack_gemm_weight_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W = fl(fl(d * q) + m) per block of 32 along K, from q [out, in] uint8 (0..15) and d, m
-    [out, in / 32] float32 -> (nibbles, dm), the layout `packed_gemm_q4` reads."""
-    return torch.ops.tritonllm.pack_gemm_weight_q4(q, d, m)
+def pack_block_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight given as its exact quantized blocks, per 32 along K: fl(fl(d * q) + m) with q uint8 0..15
+    (Q4_1), or fl(d * q) with q int8 and m None (Q8_0); q [out, in], d and m [out, in / 32] float32
+    -> (codes, scales), the layout `block_gemm` reads."""
+    return torch.ops.tritonllm.pack_block_weight(q, d, m)
 
 
-def packed_gemm_q4(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor, bias: torch.Tensor | None,
-                   out_features: int) -> torch.Tensor:
-    """`packed_gemm` on the 4-bit blocks of the same weight: the same float32 result, bit for bit."""
-    return torch.ops.tritonllm.packed_gemm_q4(x, nibbles, dm, bias, out_features)
+def block_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int) -> torch.Tensor:
+    """`packed_gemm` on the quantized blocks of the same weight: the same float32 result, bit for bit."""
+    return torch.ops.tritonllm.block_gemm(x, codes, scales, bias, out_features)
 
 
 def packed_gemm_bf16_supported() -> bool:

@@ -92,6 +92,7 @@ class Engine:
         self.runner.forward_dummy([budget // 2, budget - budget // 2])
         # The decode without log-probs: the greedy screen's path where there is one (the others took the float32 head).
         self.runner.forward_dummy([1] * min(self.config.max_num_seqs, self.runner.num_blocks), logprobs=False)
+        self.runner.forward_dummy([1], logprobs=False)  # one row: the exact-block GEMMs where there are any
         logger.info("warm-up took %.2f s", time.perf_counter() - started)
 
     # ---- requests ----------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def load_hf_config(folder: Path):
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_position: int,
                tp: TPShard = SINGLE, cpu_gemm: str = "aten", batch_hint: int = 64,
-               greedy_screen: bool = False, exact_q4: bool = False) -> LlamaForCausalLM:
+               greedy_screen: bool = False, exact_blocks: bool = False) -> LlamaForCausalLM:
     """On a CPU, `cpu_gemm` "avx512", "avx512_bf16" or "onednn" packs the GEMM weights once for that kernel
     (layers/linear.py; oneDNN's layout tuned for `batch_hint` rows), falling back to the next one
     down where it cannot run; "aten", and accelerators, keep the weights as they are.
@@ -62,8 +62,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     (layers/greedy_screen.py) where it can run: CPU, a float32 model, AVX512-BF16. With
     `avx512_bf16` it makes the greedy ids those of a float32 head on the same hidden states.
 
-    `exact_q4` (with `avx512`): linears whose float32 weights are exactly 4-bit blocks (a GGUF Q4_1
-    origin, layers/exact_q4.py) also keep those blocks, which steps of few rows read instead.
+    `exact_blocks` (with `avx512`): GEMM weights (linears, LM head) that are exactly quantized blocks (a
+    GGUF Q4_1 / Q8_0 origin, layers/exact_blocks.py) also keep those blocks, which GEMMs of few rows read.
     """
     cfg = load_hf_config(folder)
     model = LlamaForCausalLM(cfg, max_position, tp)
@@ -82,7 +82,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
         else:
             logger.info("greedy_screen: this CPU or build has no AVX512-BF16; the float32 head takes every row")
     if kernel != "aten":
-        model.pack_for_cpu(kernel, batch_hint, exact_q4)
+        model.pack_for_cpu(kernel, batch_hint, exact_blocks)
     return model
 
 

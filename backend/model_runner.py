@@ -75,7 +75,7 @@ class ModelRunner:
             self.model = load_model(model_dir, dtype, device, max_position=max_model_len, tp=self.tp,
                                     cpu_gemm=config.cpu_gemm, batch_hint=config.max_num_seqs,
                                     greedy_screen=config.greedy_screen and config.cpu_kernels,
-                                    exact_q4=config.exact_q4_weights)
+                                    exact_blocks=config.exact_block_weights)
             logger.info("loaded %s (%s, %s, tensor-parallel rank 0 of %d) in %.1f s", model_dir, device, dtype,
                         self.tp_size, time.perf_counter() - started)
             m = self.model
@@ -212,7 +212,7 @@ class ModelRunner:
         wants_logprob = [it.seq.params.logprobs for it in inputs.sampled]
         sampling = inputs.sampling
         if (self.model.greedy_screen is not None and sampling.temperatures is None and sampling.banned_rows is None
-                and not all(wants_logprob)):
+                and not all(wants_logprob) and not self.model.exact_head_beats_screen(len(wants_logprob))):
             return self._greedy_tokens_screened(hidden[dev.logits_rows], wants_logprob)
         logits = self.model.compute_logits(hidden[dev.logits_rows])
         packed = choose_tokens(logits, inputs.sampling, self.use_cpu_kernels)

@@ -25,13 +25,6 @@
 // avx512_bf16). Everything else in the model stays float32; only the GEMM inputs are rounded
 // (relative error ~2.5e-3 per GEMM).
 //
-// 4-bit blocks (`packed_gemm_q4`, lossless): weights whose every block of 32 along K is exactly
-// fl(fl(d * q) + m) for q in 0..15 and a per-block d and m (what a GGUF Q4_1 file dequantises to;
-// layers/exact_q4.py finds them) are also kept as those q, d and m: 13.8 KB a panel instead of
-// 73.7 KB. The microkernel decodes each k step's 32 weights in registers with the same two roundings
-// and then does the float32 microkernel's FMAs in its order, so the result is packed_gemm's bit for
-// bit; at the few rows where a step is bound by streaming the weights, 5.3x fewer bytes stream.
-//
 // Without AVX-512 at build time the ops exist but `packed_gemm_supported()` is false and the
 // engine keeps oneDNN (layers/linear.py); likewise `packed_gemm_bf16_supported()` without
 // AVX512-BF16, and the engine keeps the float32 kernel.
@@ -45,7 +38,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -113,44 +105,6 @@ at::Tensor pack_gemm_weight_bf16(const at::Tensor& weight_in) {
       }
   });
   return packed;
-}
-
-constexpr int64_t kQ4Block = 32;  // k values sharing one d and one m
-
-// W [N, K] = d * q + m per block of 32 along K, from q [N, K] (uint8, 0..15) and d, m [N, K / 32]
-// float32 -> (nibbles [ceil(N / 32), K, 16] uint8: byte j of a panel's k step holds column j in its
-// low nibble and column j + 16 in its high one; dm [ceil(N / 32), K / 32, 2, 32] float32: a panel's
-// d then m per block). Padding columns get q = d = m = 0, so they decode to the float32 panel's zeros.
-std::tuple<at::Tensor, at::Tensor> pack_gemm_weight_q4(const at::Tensor& q_in, const at::Tensor& d_in,
-                                                       const at::Tensor& m_in) {
-  TORCH_CHECK(q_in.dim() == 2 && q_in.scalar_type() == at::kByte, "pack_gemm_weight_q4: q uint8 [out, in]");
-  const int64_t n = q_in.size(0), k = q_in.size(1), blocks = k / kQ4Block, panels = (n + kPanel - 1) / kPanel;
-  TORCH_CHECK(k % kQ4Block == 0, "pack_gemm_weight_q4: in_features must be a multiple of 32");
-  TORCH_CHECK(d_in.scalar_type() == at::kFloat && m_in.scalar_type() == at::kFloat && d_in.sizes() == m_in.sizes() &&
-                  d_in.dim() == 2 && d_in.size(0) == n && d_in.size(1) == blocks,
-              "pack_gemm_weight_q4: d, m float32 [out, in / 32]");
-  const at::Tensor q = q_in.contiguous(), d = d_in.contiguous(), m = m_in.contiguous();
-  at::Tensor nibbles = at::zeros({panels, k, kPanel / 2}, q.options());
-  at::Tensor dm = at::zeros({panels, blocks, 2, kPanel}, d.options());
-  const uint8_t* qs = q.data_ptr<uint8_t>();
-  const float *ds = d.data_ptr<float>(), *ms = m.data_ptr<float>();
-  uint8_t* nb = nibbles.data_ptr<uint8_t>();
-  float* dmp = dm.data_ptr<float>();
-  TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() < 16, "pack_gemm_weight_q4: q must be 0..15");
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t j = 0; j < kPanel && p * kPanel + j < n; ++j) {
-        const int64_t col = p * kPanel + j;
-        const int shift = j < kPanel / 2 ? 0 : 4;
-        for (int64_t i = 0; i < k; ++i)
-          nb[(p * k + i) * (kPanel / 2) + j % (kPanel / 2)] |= static_cast<uint8_t>(qs[col * k + i] << shift);
-        for (int64_t b = 0; b < blocks; ++b) {
-          dmp[((p * blocks + b) * 2 + 0) * kPanel + j] = ds[col * blocks + b];
-          dmp[((p * blocks + b) * 2 + 1) * kPanel + j] = ms[col * blocks + b];
-        }
-      }
-  });
-  return {nibbles, dm};
 }
 
 #if defined(__AVX512F__)
@@ -265,87 +219,6 @@ void run_panels(const Elem* xp, int64_t ldx, const Elem* wp, int64_t steps, int6
   });
 }
 
-// y[0..R) x [0..32) = x[0..R) . one 4-bit panel (+ bias): per k step the panel's 32 weights are
-// decoded in registers, w = fl(fl(d * q) + m) with the two roundings the weight was made with (the
-// explicit-rounding intrinsics keep the compiler from fusing them into one FMA), then used exactly as
-// the float32 microkernel uses its loaded ones: the same FMAs in the same order, the same result.
-template <int R>
-void microkernel_q4(const float* x, int64_t ldx, const uint8_t* nibbles, const float* dm, int64_t k, float* y,
-                    int64_t ldy, const float* bias) {
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512i low4 = _mm512_set1_epi32(0xf);
-  __m512 acc0[R], acc1[R];
-  const __m512 init0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 init1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
-    acc0[r] = init0;
-    acc1[r] = init1;
-  }
-  for (int64_t blk = 0; blk < k / kQ4Block; ++blk) {
-    const float* s = dm + blk * 2 * kPanel;
-    const __m512 d0 = _mm512_loadu_ps(s), d1 = _mm512_loadu_ps(s + 16);
-    const __m512 m0 = _mm512_loadu_ps(s + kPanel), m1 = _mm512_loadu_ps(s + kPanel + 16);
-    for (int64_t i = blk * kQ4Block; i < (blk + 1) * kQ4Block; ++i) {
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + i * kPanel / 2)));
-      const __m512 b0 = _mm512_add_round_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), d0, kRound),
-                                            m0, kRound);
-      const __m512 b1 = _mm512_add_round_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d1, kRound),
-                                            m1, kRound);
-#pragma GCC unroll 12
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(x[r * ldx + i]);
-        acc0[r] = _mm512_fmadd_ps(a, b0, acc0[r]);
-        acc1[r] = _mm512_fmadd_ps(a, b1, acc1[r]);
-      }
-    }
-  }
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(y + r * ldy, acc0[r]);
-    _mm512_storeu_ps(y + r * ldy + 16, acc1[r]);
-  }
-}
-
-using MicrokernelQ4 = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t, const float*);
-constexpr MicrokernelQ4 kMicrokernelsQ4[kMaxRows + 1] = {
-    nullptr, &microkernel_q4<1>, &microkernel_q4<2>, &microkernel_q4<3>, &microkernel_q4<4>, &microkernel_q4<5>,
-    &microkernel_q4<6>, &microkernel_q4<7>, &microkernel_q4<8>, &microkernel_q4<9>, &microkernel_q4<10>,
-    &microkernel_q4<11>, &microkernel_q4<12>};
-
-// run_panels for 4-bit panels. Each block of up to kMaxRows rows decodes the panel again, so this
-// pays where a step has few rows (layers/linear.py picks it by row count).
-void run_q4_panels(const float* xp, int64_t k, const uint8_t* nibbles, const float* dm, int64_t panels, int64_t m,
-                   int64_t n, const float* bias, float* yp) {
-  const int64_t chunk = std::max<int64_t>(kMaxRows, kRowChunkBytes / (std::max<int64_t>(k, 1) * 4) / kMaxRows * kMaxRows);
-  const int64_t row_chunks = (m + chunk - 1) / chunk;
-  tritonllm::parallel_claim(row_chunks * panels, tritonllm::grain_for(panels, kClaimsPerThread),
-                            [&](tritonllm::ClaimedChunks& items) {
-    alignas(64) float tail[kMaxRows * kPanel];
-    alignas(64) float tail_bias[kPanel] = {};
-    for (int64_t begin, end; items.next(begin, end);) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t m0 = item / panels * chunk, p = item % panels;
-        const int64_t m1 = std::min(m, m0 + chunk);
-        const uint8_t* pn = nibbles + p * k * (kPanel / 2);
-        const float* pdm = dm + p * (k / kQ4Block) * 2 * kPanel;
-        const int64_t col0 = p * kPanel;
-        const int64_t cols = std::min(kPanel, n - col0);
-        for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
-          if (cols == kPanel) {
-            kMicrokernelsQ4[rows](xp + r0 * k, k, pn, pdm, k, yp + r0 * n + col0, n, bias ? bias + col0 : nullptr);
-          } else {
-            if (bias) std::copy(bias + col0, bias + n, tail_bias);
-            kMicrokernelsQ4[rows](xp + r0 * k, k, pn, pdm, k, tail, kPanel, bias ? tail_bias : nullptr);
-            for (int r = 0; r < rows; ++r) std::copy(tail + r * kPanel, tail + r * kPanel + cols, yp + (r0 + r) * n + col0);
-          }
-        }
-      }
-    }
-  });
-}
-
 #endif
 
 // The checks both formats share; returns the bias pointer (or null) and keeps its tensor alive.
@@ -381,28 +254,6 @@ at::Tensor packed_gemm(const at::Tensor& x_in, const at::Tensor& packed, const c
 #if defined(__AVX512F__)
   run_panels<float>(x.data_ptr<float>(), k, packed.data_ptr<float>(), k, packed.size(0), m, n, bias, y.data_ptr<float>(),
                     kMicrokernels<Float32Panels>);
-#endif
-  return y.view(out_shape(x_in, n));
-}
-
-// As packed_gemm, on a weight from pack_gemm_weight_q4 (the same results, bit for bit).
-at::Tensor packed_gemm_q4(const at::Tensor& x_in, const at::Tensor& nibbles, const at::Tensor& dm,
-                          const c10::optional<at::Tensor>& bias_in, int64_t out_features) {
-  TORCH_CHECK(packed_gemm_supported(), "packed_gemm_q4: built without AVX-512");
-  TORCH_CHECK(nibbles.scalar_type() == at::kByte && nibbles.dim() == 3 && nibbles.size(2) == kPanel / 2 &&
-                  nibbles.is_contiguous() && dm.scalar_type() == at::kFloat && dm.dim() == 4 && dm.is_contiguous() &&
-                  dm.size(0) == nibbles.size(0) && dm.size(1) * kQ4Block == nibbles.size(1) && dm.size(2) == 2 &&
-                  dm.size(3) == kPanel,
-              "packed_gemm_q4: weight from pack_gemm_weight_q4");
-  const int64_t k = nibbles.size(1), n = out_features;
-  at::Tensor bias_c;
-  const float* bias = check_gemm_args("packed_gemm_q4", x_in, nibbles, k, bias_in, n, bias_c);
-  const at::Tensor x = x_in.reshape({-1, k}).contiguous();
-  const int64_t m = x.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
-#if defined(__AVX512F__)
-  run_q4_panels(x.data_ptr<float>(), k, nibbles.data_ptr<uint8_t>(), dm.data_ptr<float>(), nibbles.size(0), m, n, bias,
-                y.data_ptr<float>());
 #endif
   return y.view(out_shape(x_in, n));
 }
@@ -466,8 +317,6 @@ TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
   m.def("packed_gemm_supported() -> bool", &packed_gemm_supported);  // no tensors: a catch-all kernel
   m.def("pack_gemm_weight(Tensor weight) -> Tensor");
   m.def("packed_gemm(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  m.def("pack_gemm_weight_q4(Tensor q, Tensor d, Tensor m) -> (Tensor, Tensor)");
-  m.def("packed_gemm_q4(Tensor x, Tensor nibbles, Tensor dm, Tensor? bias, int out_features) -> Tensor");
   m.def("packed_gemm_bf16_supported() -> bool", &packed_gemm_bf16_supported);
   m.def("pack_gemm_weight_bf16(Tensor weight) -> Tensor");
   m.def("packed_gemm_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features, int in_features) -> Tensor");
@@ -476,8 +325,6 @@ TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
 TORCH_LIBRARY_IMPL(tritonllm, CPU, m) {
   m.impl("pack_gemm_weight", &pack_gemm_weight);
   m.impl("packed_gemm", &packed_gemm);
-  m.impl("pack_gemm_weight_q4", &pack_gemm_weight_q4);
-  m.impl("packed_gemm_q4", &packed_gemm_q4);
   m.impl("pack_gemm_weight_bf16", &pack_gemm_weight_bf16);
   m.impl("packed_gemm_bf16", &packed_gemm_bf16);
 }

@@ -11,11 +11,12 @@ streams straight into its FMAs:
   sums in float32 (`vdpbf16ps`): 1.7-2.1x `avx512` at 1-64 rows, half the weight memory. Lossy
   (relative error ~2.5e-3 per GEMM, so greedy outputs drift from float32 ones), hence opt-in; the
   rest of the model stays float32. CPUs with AVX512-BF16; elsewhere it falls back to `avx512`.
-  With `exact_q4`, a weight whose every block of 32 along K is exactly 4-bit (layers/exact_q4.py: what
-  a GGUF Q4_1 file dequantises to, as the default model's linears are) also keeps those 4-bit
-  blocks, and steps of up to `Q4_MAX_ROWS` rows read them instead: the same float32 values, decoded
-  in registers, so the same results bit for bit, from 5.3x fewer bytes (a step's GEMMs at 1 / 4 / 8
-  rows 2.8x / 1.8x / 1.3x faster; from ~12 rows the arithmetic, not the stream, sets the pace).
+  With `exact_blocks`, a weight that is exactly quantized blocks (layers/exact_blocks.py: what a GGUF
+  Q4_1 or Q8_0 file dequantises to, as the default model's linears and LM head are) also keeps those
+  blocks, and GEMMs of up to `BLOCKS_MAX_ROWS` rows read them instead (csrc/exact_block_gemm.cpp):
+  the same float32 values, decoded in registers, so the same results bit for bit, from 3.6-5.3x fewer
+  bytes (a step's layer GEMMs at 1 / 4 / 8 rows 2.8x / 1.8x / 1.3x faster; from ~12 rows the
+  arithmetic, not the stream, sets the pace).
 - `onednn`: oneDNN's blocked layout, the primitive torch's own compiler uses when it freezes a CPU
   model's linears; 1.2-2x `F.linear` ([64,576]x[576,960] 157 -> 203 GFLOPS, the LM head
   [64,576]x[576,49152] 96 -> 201). float32 and bfloat16.
@@ -31,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu_kernels
-from .exact_q4 import find_q4_blocks
+from .exact_blocks import find_blocks
 
 logger = logging.getLogger(__name__)
 
-Q4_MAX_ROWS = 10  # the most rows a GEMM on exactly-4-bit weights takes their 4-bit blocks for
+BLOCKS_MAX_ROWS = 8  # the most rows a GEMM on exactly-quantized weights takes their blocks for
 
 
 def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -63,20 +64,20 @@ class PackedWeight:
 
     `batch_hint` is the row count oneDNN tunes its layout for (any row count works with it).
     `packed`: this weight already packed for `kernel` elsewhere, to share instead of packing again.
-    `exact_q4` (with `avx512`): also keep the weight's 4-bit blocks if it is exactly 4-bit, for GEMMs
-    of up to Q4_MAX_ROWS rows.
+    `exact_blocks` (with `avx512`): also keep the weight's quantized blocks if it is exactly such
+    blocks, for GEMMs of up to BLOCKS_MAX_ROWS rows.
     """
 
     def __init__(self, weight: torch.Tensor, kernel: str, batch_hint: int, packed: torch.Tensor | None = None,
-                 exact_q4: bool = False):
+                 exact_blocks: bool = False):
         self.kernel = kernel
         self.out_features, self.in_features = weight.shape
         weight = weight.detach().contiguous()
-        self.q4: tuple[torch.Tensor, torch.Tensor] | None = None  # (nibbles, dm) for packed_gemm_q4
-        if exact_q4 and kernel == "avx512":
-            blocks = find_q4_blocks(weight)
-            if blocks is not None:
-                self.q4 = cpu_kernels.pack_gemm_weight_q4(*blocks)
+        self.blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes, scales) for block_gemm
+        if exact_blocks and kernel == "avx512":
+            found = find_blocks(weight)
+            if found is not None:
+                self.blocks = cpu_kernels.pack_block_weight(*found)
         if packed is not None:
             self.data = packed
         elif kernel == "avx512":
@@ -88,10 +89,14 @@ class PackedWeight:
         else:
             raise ValueError(f"no packed layout for cpu_gemm={kernel!r}")
 
+    def reads_blocks(self, rows: int) -> bool:
+        """Whether a GEMM of `rows` rows reads the exact quantized blocks rather than the float32 panels."""
+        return self.blocks is not None and rows <= BLOCKS_MAX_ROWS
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel == "avx512":
-            if self.q4 is not None and x.numel() <= Q4_MAX_ROWS * self.in_features:
-                return cpu_kernels.packed_gemm_q4(x, *self.q4, bias, self.out_features)
+            if self.reads_blocks(x.numel() // self.in_features):
+                return cpu_kernels.block_gemm(x, *self.blocks, bias, self.out_features)
             return cpu_kernels.packed_gemm(x, self.data, bias, self.out_features)
         if self.kernel == "avx512_bf16":
             return cpu_kernels.packed_gemm_bf16(x, self.data, bias, self.out_features, self.in_features)
@@ -103,8 +108,8 @@ class Linear(nn.Linear):
 
     packed: PackedWeight | None = None
 
-    def pack(self, kernel: str, batch_hint: int, exact_q4: bool = False) -> None:
-        self.packed = PackedWeight(self.weight, kernel, batch_hint, exact_q4=exact_q4)
+    def pack(self, kernel: str, batch_hint: int, exact_blocks: bool = False) -> None:
+        self.packed = PackedWeight(self.weight, kernel, batch_hint, exact_blocks=exact_blocks)
         # Rebind rather than resize: the plain weight may be shared (tied embeddings).
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
@@ -114,11 +119,11 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module, kernel: str, batch_hint: int, exact_q4: bool = False) -> int:
+def pack_linears(model: nn.Module, kernel: str, batch_hint: int, exact_blocks: bool = False) -> int:
     """Pack every `Linear` of `model` for `kernel` ("avx512", "avx512_bf16" or "onednn"); returns how many were packed."""
     count = 0
     for module in model.modules():
         if isinstance(module, Linear) and module.packed is None:
-            module.pack(kernel, batch_hint, exact_q4)
+            module.pack(kernel, batch_hint, exact_blocks)
             count += 1
     return count

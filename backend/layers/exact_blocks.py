@@ -1,0 +1,110 @@
+"""Float32 weights that are exactly quantized blocks, found so the GEMM can stream them as such.
+
+A GGUF weight dequantises, per block of 32 values along the input dimension, to fl(fl(d * q) + m)
+with q in 0..15 and one d and one m per block (Q4_1), or to fl(d * q) with q in -128..127 (Q8_0):
+float32 roundings as transformers' GGUF loader computes them. The packaged default model is such a
+file: its decoder linears are Q4_1 and its (tied) embedding and LM head Q8_0. Kept as blocks, a
+32-column panel at K = 576 takes 13.8 KB (Q4_1) or 20.7 KB (Q8_0) instead of 73.7 KB.
+`find_blocks` recovers q, d (and m) from the float32 weight and checks that they give back every
+value bit for bit; where any block does not, the weight stays float32 only. Nothing is rounded:
+the GEMM (csrc/exact_block_gemm.cpp) decodes the same float32 values it would otherwise read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+_SAMPLE_ROWS = 64  # checked first, so a weight that is not such blocks (most are not) is rejected cheaply
+
+
+Blocks = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # q, d, m (None for Q8_0)
+
+
+def find_blocks(weight: torch.Tensor) -> Blocks | None:
+    """weight [N, K] float32 -> (q, d, m) of its Q4_1 blocks (q uint8 [N, K], d and m [N, K / 32])
+    or (q, d, None) of its Q8_0 blocks (q int8), equal to the weight bit for bit; None if neither."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % BLOCK or weight.numel() == 0:
+        return None
+    weight = weight.detach().contiguous()
+    for solve in (_solve_q4, _solve_q8):
+        if weight.shape[0] > _SAMPLE_ROWS and solve(weight[:_SAMPLE_ROWS]) is None:
+            continue
+        found = solve(weight)
+        if found is not None:
+            return found
+    return None
+
+
+def _solve_q8(weight: torch.Tensor) -> Blocks | None:
+    """Q8_0: w = fl(d * q), q in -128..127, d = max |w| / 127 up to its rounding (GGUF stores it as float16)."""
+    blocks = _blocks(weight)
+    if blocks is None:
+        return None
+    found = _solve(blocks, None, blocks.abs().amax(-1), 127, torch.int8)
+    return None if found is None else (found[0].view(weight.shape), found[1], None)
+
+
+def _solve_q4(weight: torch.Tensor) -> Blocks | None:
+    """Q4_1: w = fl(fl(d * q) + m), q in 0..15, m the block's minimum, d = (max - min) / 15 up to its rounding."""
+    blocks = _blocks(weight)
+    if blocks is None:
+        return None
+    m = blocks.amin(-1)
+    found = _solve(blocks, m, blocks.amax(-1) - m, 15, torch.uint8)
+    return None if found is None else (found[0].view(weight.shape), found[1], m)
+
+
+def _blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    n, k = weight.shape
+    blocks = weight.view(n, k // BLOCK, BLOCK)
+    return blocks if bool(torch.isfinite(blocks).all()) else None
+
+
+def _solve(blocks: torch.Tensor, m: torch.Tensor | None, span: torch.Tensor, levels: int,
+           q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q in `q_dtype`, d) with d * q (+ m) == blocks bit for bit, else None. d is span / levels up to its
+    own rounding: try its float16 value, that value's float16 neighbours, then the float32 quotient;
+    each block keeps the first that rebuilds it. Dense passes over the whole weight: most blocks take
+    the first candidate, and a pass over 1M values costs a few ms."""
+    bits = blocks.view(torch.int32)
+    d_half = (span / levels).to(torch.float16)
+    candidates = [(d_half.view(torch.int16) + step).view(torch.float16).float() for step in (0, 1, -1, 2, -2)]
+    candidates.append(span / levels)
+    base = blocks if m is None else blocks - m[..., None]
+    d = torch.zeros_like(span)
+    q = torch.zeros_like(blocks)
+    solved = torch.zeros_like(span, dtype=torch.bool)
+    zero_span = span == 0  # solved below, not by a scale
+    q_range = (-128, 127) if q_dtype == torch.int8 else (0, 15)
+    for cand in candidates:
+        usable = torch.isfinite(cand) & (cand > 0) & ~zero_span & ~solved
+        cq = (base / torch.where(usable, cand, 1.0)[..., None]).round_().clamp_(*q_range)
+        rebuilt = cand[..., None] * cq  # then + m: two roundings, eager torch does not fuse them
+        if m is not None:
+            rebuilt = rebuilt + m[..., None]
+        hit = usable & (rebuilt.view(torch.int32) == bits).all(-1)
+        d = torch.where(hit, cand, d)
+        q = torch.where(hit[..., None], cq, q)
+        solved |= hit
+        if bool((solved | zero_span).all()):
+            break
+    # Blocks of zeros (Q8_0: d = 0, q = -1 where the zero is -0.0, as 0 * -1 is) and of one repeated
+    # value (Q4_1: q = 0 and d = 0, or -0.0 where m is -0.0, as +0.0 + -0.0 is +0.0).
+    if m is None:
+        q = torch.where(zero_span[..., None] & torch.signbit(blocks), -1.0, q)
+    else:
+        d = torch.where(zero_span & torch.signbit(m), -0.0, d)
+    solved |= zero_span
+    q = q.to(q_dtype)  # -0.0 codes become 0: the check below sees the integers the GEMM gets
+    if not bool(solved.all()) or not _rebuilds(blocks, q, d, m):  # the final word on every special case
+        return None
+    return q, d
+
+
+def _rebuilds(blocks: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> bool:
+    """Whether the blocks decode to the weight bit for bit, as the GEMM decodes them."""
+    rebuilt = d[..., None] * q.float()
+    if m is not None:
+        rebuilt = rebuilt + m[..., None]
+    return bool((rebuilt.view(torch.int32) == blocks.view(torch.int32)).all())

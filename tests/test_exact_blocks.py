@@ -1,0 +1,179 @@
+"""Float32 weights that are exactly quantized blocks (layers/exact_blocks.py) and the GEMM on those
+blocks (csrc/exact_block_gemm.cpp): found only where exact, and the same results bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tritonllm import cpu_kernels
+from tritonllm.layers.exact_blocks import find_blocks
+from tritonllm.layers.linear import BLOCKS_MAX_ROWS, PackedWeight
+
+avx512 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
+                            reason="kernels built without AVX-512 (this CPU lacks it)")
+
+
+def q4_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A weight made as a GGUF Q4_1 file dequantises: float16 d and m per block of 32, q in 0..15,
+    fl(fl(d * q) + m) in float32; a few blocks of one repeated value, as real weights have."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = in_features // 32
+    d = (torch.rand(out_features, blocks, 1, generator=gen) * 0.01).half().float()
+    m = (-torch.rand(out_features, blocks, 1, generator=gen) * 0.08).half().float()
+    q = torch.randint(0, 16, (out_features, blocks, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # each block spans its whole range, as the quantiser makes it
+    d[0, 0] = 0  # a block of equal values
+    return (d * q + m).view(out_features, in_features)
+
+
+def q8_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A weight made as a GGUF Q8_0 file dequantises: float16 d per block of 32, q in -128..127,
+    fl(d * q) in float32; one block of zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = in_features // 32
+    d = (torch.rand(out_features, blocks, 1, generator=gen) * 0.001).half().float()
+    q = torch.randint(-127, 128, (out_features, blocks, 32), generator=gen).float()
+    q[..., 0] = 127  # each block reaches its scale, as the quantiser makes it
+    q[0, 0] = 0
+    return (d * q).view(out_features, in_features)
+
+
+MAKERS = {"q4_1": q4_weight, "q8_0": q8_weight}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def test_4_bit_blocks_are_found_and_give_back_every_value_bit_for_bit():
+    weight = q4_weight(96, 128, seed=1)
+    q, d, m = find_blocks(weight)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and d.shape == m.shape == (96, 4)
+    rebuilt = d[..., None] * q.view(96, 4, 32).float() + m[..., None]
+    assert torch.equal(bits(rebuilt.view(96, 128)), bits(weight))
+
+
+def test_8_bit_blocks_are_found_and_give_back_every_value_bit_for_bit():
+    weight = q8_weight(96, 128, seed=1)
+    q, d, m = find_blocks(weight)
+    assert q.dtype == torch.int8 and m is None and d.shape == (96, 4)
+    rebuilt = d[..., None] * q.view(96, 4, 32).float()
+    assert torch.equal(bits(rebuilt.view(96, 128)), bits(weight))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_signed_zeros_come_back_with_their_sign(kind):
+    """A block of zeros may hold -0.0 (a zero scale times a negative code); a GEMM over a zero column
+    gives -0.0 or +0.0 by it, so the blocks must keep it."""
+    weight = MAKERS[kind](64, 64, seed=5)
+    weight[:, :32] = 0.0
+    weight[3, :32] = -0.0
+    if kind == "q8_0":
+        weight[5, 7] = -0.0  # Q8_0 mixes them in a block (codes 0 and -1); Q4_1's zero blocks are all one sign
+    found = find_blocks(weight)
+    assert found is not None
+    q, d, m = found
+    rebuilt = d[..., None] * q.view(64, 2, 32).float()
+    if m is not None:
+        rebuilt = rebuilt + m[..., None]
+    assert torch.equal(bits(rebuilt.view(64, 64)), bits(weight))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("case", ["random", "one ulp off", "k not a multiple of 32", "nan", "bfloat16"])
+def test_weights_that_are_not_exactly_blocks_are_left_alone(kind, case):
+    weight = MAKERS[kind](96, 128, seed=2)
+    if case == "random":
+        weight = torch.randn(96, 128)
+    elif case == "one ulp off":  # past the 64-row sample, so the full check has to catch it
+        weight[80, 34] = torch.nextafter(weight[80, 34], torch.tensor(1.0))
+    elif case == "k not a multiple of 32":
+        weight = weight[:, :100]
+    elif case == "nan":
+        weight[3, 3] = float("nan")
+    else:
+        weight = weight.bfloat16()
+    assert find_blocks(weight) is None
+
+
+@avx512
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 10, 12, 13, 30])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 64), (576, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_block_gemm_equals_the_float32_gemm_bit_for_bit(kind, rows, out_features, in_features, with_bias):
+    weight = MAKERS[kind](out_features, in_features, seed=rows + out_features)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    codes, scales = cpu_kernels.pack_block_weight(*find_blocks(weight))
+    want = cpu_kernels.packed_gemm(x, cpu_kernels.pack_gemm_weight(weight), bias, out_features)
+    got = cpu_kernels.block_gemm(x, codes, scales, bias, out_features)
+    assert torch.equal(bits(got), bits(want))
+
+
+@avx512
+def test_the_block_gemm_refuses_mismatched_inputs():
+    codes, scales = cpu_kernels.pack_block_weight(*find_blocks(q8_weight(64, 64, seed=4)))
+    with pytest.raises(RuntimeError, match="in_features"):
+        cpu_kernels.block_gemm(torch.randn(2, 32), codes, scales, None, 64)
+    with pytest.raises(RuntimeError, match="out_features"):
+        cpu_kernels.block_gemm(torch.randn(2, 64), codes, scales, None, 96)
+    with pytest.raises(RuntimeError, match="pack_block_weight"):
+        cpu_kernels.block_gemm(torch.randn(2, 64), codes, scales[:, :1], None, 64)
+
+
+@avx512
+def test_a_packed_weight_takes_the_blocks_only_for_few_rows():
+    weight = q4_weight(64, 64, seed=3)
+    packed = PackedWeight(weight, "avx512", 64, exact_blocks=True)
+    assert packed.blocks is not None and packed.reads_blocks(BLOCKS_MAX_ROWS)
+    assert not packed.reads_blocks(BLOCKS_MAX_ROWS + 1)
+    assert PackedWeight(weight, "avx512", 64).blocks is None  # off unless asked
+    assert PackedWeight(torch.randn(64, 64), "avx512", 64, exact_blocks=True).blocks is None
+    for rows in (1, BLOCKS_MAX_ROWS, BLOCKS_MAX_ROWS + 1, 64):
+        x = torch.randn(rows, 64)
+        assert torch.equal(bits(packed(x, None)), bits(cpu_kernels.packed_gemm(x, packed.data, None, 64)))
+
+
+@avx512
+def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
+    """The packaged GGUF is Q4_1 in every decoder linear and Q8_0 in its tied embedding: every linear
+    and the LM head get their blocks, and on the real weights the block GEMM gives the float32
+    GEMM's results bit for bit."""
+    from tritonllm.layers.linear import Linear
+    from tritonllm.loader import load_model
+
+    model = load_model(model_dir, torch.float32, torch.device("cpu"), 256, cpu_gemm="avx512", exact_blocks=True)
+    linears = [m.packed for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * model.num_layers and all(p.blocks is not None for p in linears)
+    head = model.tied_head_packed
+    assert head is not None and head.blocks is not None and head.blocks[0].shape[2] == 32  # 8-bit codes
+    gen = torch.Generator().manual_seed(0)
+    for p in linears[:8] + [head]:
+        x = torch.randn(BLOCKS_MAX_ROWS, p.in_features, generator=gen)
+        want = cpu_kernels.packed_gemm(x, p.data, None, p.out_features)
+        assert torch.equal(bits(cpu_kernels.block_gemm(x, *p.blocks, None, p.out_features)), bits(want))
+
+
+@avx512
+def test_engine_outputs_equal_with_and_without_the_blocks(model_dir):
+    """Greedy ids and log-probs, bit for bit, at one row (the exact head instead of the screen) and at
+    three rows (the layers on their blocks, the screen for the head), with the blocks on and off."""
+    from tritonllm.config import EngineConfig
+    from tritonllm.engine import Engine
+    from tritonllm.sampling_params import SamplingParams
+
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+    results = {}
+    for on in (True, False):
+        engine = Engine(EngineConfig(model=str(model_dir), num_threads=2, exact_block_weights=on, num_kv_blocks=256,
+                                     warmup=False))
+        assert (engine.runner.model.tied_head_packed.blocks is not None) is on
+        alone = engine.generate(prompts[:1], SamplingParams(max_tokens=16, logprobs=True))
+        ids_only = engine.generate(prompts, SamplingParams(max_tokens=16, logprobs=False))
+        results[on] = ([o.token_ids for o in alone], torch.tensor([o.logprobs for o in alone]),
+                       [o.token_ids for o in ids_only])
+    assert results[True][0] == results[False][0] and results[True][2] == results[False][2]
+    assert torch.equal(bits(results[True][1]), bits(results[False][1]))
