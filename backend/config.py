@@ -39,8 +39,8 @@ class EngineConfig:
     # CPU linears, weights packed once: our AVX-512 kernel (avx512; else onednn), the same on bfloat16
     # weights (avx512_bf16: faster, lossy, opt-in; else avx512), oneDNN (onednn); or F.linear (aten)
     cpu_gemm: str = "avx512"
-    # With cpu_gemm=avx512: GEMM weights that are exactly quantized blocks (a GGUF Q4_1 / Q8_0 origin, as
-    # the default model's) also kept as those blocks for steps of few rows: same results, 3.6-5.3x fewer bytes
+    # With cpu_gemm=avx512: GEMM weights that are exactly quantized blocks (a GGUF Q4_1 / Q8_0 origin, as the
+    # default model's) or bfloat16 values also kept in that form for steps of few rows: same results, 2-5.3x fewer bytes
     exact_block_weights: bool = True
     cpu_kernels: bool = True  # CPU float32: our C++ kernels (decode attention, fused layer ops, greedy head); torch path if unbuilt
     # CPU float32 greedy rows that want no log-prob: the float32 head's argmax found through a bfloat16

@@ -181,10 +181,10 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.tritonllm.packed_gemm(x, packed, bias, out_features)
 
 
-def pack_block_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_block_weight(q: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight given as its exact quantized blocks, per 32 along K: fl(fl(d * q) + m) with q uint8 0..15
-    (Q4_1), or fl(d * q) with q int8 and m None (Q8_0); q [out, in], d and m [out, in / 32] float32
-    -> (codes, scales), the layout `block_gemm` reads."""
+    (Q4_1), fl(d * q) with q int8 and m None (Q8_0), or q bfloat16 itself with d and m None; q [out, in],
+    d and m [out, in / 32] float32 -> (codes, scales), the layout `block_gemm` reads."""
     return torch.ops.tritonllm.pack_block_weight(q, d, m)
 
 

@@ -39,7 +39,15 @@ def q8_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
     return (d * q).view(out_features, in_features)
 
 
-MAKERS = {"q4_1": q4_weight, "q8_0": q8_weight}
+def bf16_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A bfloat16 checkpoint's weight loaded as float32 (a -0.0 among its values)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16().float()
+    weight[0, 0] = -0.0
+    return weight
+
+
+MAKERS = {"q4_1": q4_weight, "q8_0": q8_weight, "bf16": bf16_weight}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -62,6 +70,13 @@ def test_8_bit_blocks_are_found_and_give_back_every_value_bit_for_bit():
     assert torch.equal(bits(rebuilt.view(96, 128)), bits(weight))
 
 
+def test_bfloat16_values_are_found_as_themselves():
+    weight = bf16_weight(96, 128, seed=1)
+    q, d, m = find_blocks(weight)
+    assert q.dtype == torch.bfloat16 and d is None and m is None
+    assert torch.equal(bits(q.float()), bits(weight))
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_signed_zeros_come_back_with_their_sign(kind):
     """A block of zeros may hold -0.0 (a zero scale times a negative code); a GEMM over a zero column
@@ -80,7 +95,7 @@ def test_signed_zeros_come_back_with_their_sign(kind):
     assert torch.equal(bits(rebuilt.view(64, 64)), bits(weight))
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
 @pytest.mark.parametrize("case", ["random", "one ulp off", "k not a multiple of 32", "nan", "bfloat16"])
 def test_weights_that_are_not_exactly_blocks_are_left_alone(kind, case):
     weight = MAKERS[kind](96, 128, seed=2)
@@ -98,7 +113,7 @@ def test_weights_that_are_not_exactly_blocks_are_left_alone(kind, case):
 
 
 @avx512
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 10, 12, 13, 30])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 64), (576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -125,10 +140,12 @@ def test_the_block_gemm_refuses_mismatched_inputs():
 
 
 @avx512
-def test_a_packed_weight_takes_the_blocks_only_for_few_rows():
-    weight = q4_weight(64, 64, seed=3)
+@pytest.mark.parametrize("kind,code_bytes", [("q4_1", 16), ("q8_0", 32), ("bf16", 64)])
+def test_a_packed_weight_takes_the_blocks_only_for_few_rows(kind, code_bytes):
+    weight = MAKERS[kind](64, 64, seed=3)
     packed = PackedWeight(weight, "avx512", 64, exact_blocks=True)
-    assert packed.blocks is not None and packed.reads_blocks(BLOCKS_MAX_ROWS)
+    assert packed.blocks is not None and packed.blocks[0].shape[2] == code_bytes  # bytes per k step of a panel
+    assert packed.reads_blocks(BLOCKS_MAX_ROWS)
     assert not packed.reads_blocks(BLOCKS_MAX_ROWS + 1)
     assert PackedWeight(weight, "avx512", 64).blocks is None  # off unless asked
     assert PackedWeight(torch.randn(64, 64), "avx512", 64, exact_blocks=True).blocks is None

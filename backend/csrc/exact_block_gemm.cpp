@@ -3,8 +3,9 @@
 //
 // Why: a model converted from a GGUF file holds float32 weights that are, bit for bit, what its
 // quantized blocks dequantise to: per block of 32 values along K, fl(fl(d * q) + m) with q in 0..15
-// (Q4_1) or fl(d * q) with q in -128..127 (Q8_0). Kept as those blocks, a 32-column panel at K = 576
-// is 13.8 KB (Q4_1) or 20.7 KB (Q8_0) instead of 73.7 KB. A step of a few rows is bound by streaming
+// (Q4_1) or fl(d * q) with q in -128..127 (Q8_0); a bfloat16 checkpoint loaded as float32 holds bfloat16
+// values. Kept as those blocks, a 32-column panel at K = 576 is 13.8 KB (Q4_1), 20.7 KB (Q8_0) or
+// 36.9 KB (bfloat16) instead of 73.7 KB. A step of a few rows is bound by streaming
 // the weights, so it runs up to 2.8x faster from the blocks (layers/exact_blocks.py finds them at
 // load and checks every value; layers/linear.py picks them by row count).
 //
@@ -17,6 +18,7 @@
 //   Q4_1: codes [K, 16] uint8, byte j of a k step = column j (low nibble) | column j + 16 (high);
 //         scales [K / 32, 2, 32] float32, a block's d for the 32 columns, then its m.
 //   Q8_0: codes [K, 32] int8; scales [K / 32, 32] float32, a block's d.
+//   bfloat16: codes [K, 32] bfloat16 (64 bytes a k step); scales [K / 32, 0, 32] (none).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -40,27 +43,30 @@ constexpr int64_t kBlock = 32;           // k values sharing one scale (and one 
 constexpr int kMaxRows = 12;             // rows per microkernel call
 constexpr int64_t kClaimsPerThread = 8;  // panel runs each thread claims (claimed_chunks.h)
 
-// (codes, scales) for W [N, K] given as q [N, K] (uint8 0..15 with `m`; int8 without) and d (and m)
-// [N, K / 32] float32.
-std::tuple<at::Tensor, at::Tensor> pack_block_weight(const at::Tensor& q_in, const at::Tensor& d_in,
+// (codes, scales) for W [N, K] given as q [N, K] and d, m [N, K / 32] float32: uint8 q (0..15) with d
+// and m (Q4_1), int8 q with d (Q8_0), or bfloat16 q, the values themselves, with neither (bfloat16).
+std::tuple<at::Tensor, at::Tensor> pack_block_weight(const at::Tensor& q_in, const c10::optional<at::Tensor>& d_in,
                                                      const c10::optional<at::Tensor>& m_in) {
-  const bool q4 = m_in.has_value() && m_in->defined();
-  TORCH_CHECK(q_in.dim() == 2 && q_in.scalar_type() == (q4 ? at::kByte : at::kChar),
-              "pack_block_weight: q [out, in], uint8 (with m) or int8 (without)");
+  const bool has_d = d_in.has_value() && d_in->defined(), has_m = m_in.has_value() && m_in->defined();
+  const auto type = q_in.scalar_type();
+  const bool q4 = type == at::kByte, bf16 = type == at::kBFloat16;
+  TORCH_CHECK(q_in.dim() == 2 && ((q4 && has_d && has_m) || (type == at::kChar && has_d && !has_m) ||
+                                  (bf16 && !has_d && !has_m)),
+              "pack_block_weight: q [out, in]: uint8 with d and m, int8 with d, or bfloat16 alone");
   const int64_t n = q_in.size(0), k = q_in.size(1), blocks = k / kBlock, panels = (n + kPanel - 1) / kPanel;
   TORCH_CHECK(k % kBlock == 0, "pack_block_weight: in_features must be a multiple of 32");
-  TORCH_CHECK(d_in.scalar_type() == at::kFloat && d_in.dim() == 2 && d_in.size(0) == n && d_in.size(1) == blocks &&
-                  (!q4 || (m_in->scalar_type() == at::kFloat && m_in->sizes() == d_in.sizes())),
+  TORCH_CHECK(!has_d || (d_in->scalar_type() == at::kFloat && d_in->dim() == 2 && d_in->size(0) == n &&
+                         d_in->size(1) == blocks && (!has_m || (m_in->scalar_type() == at::kFloat &&
+                                                                m_in->sizes() == d_in->sizes()))),
               "pack_block_weight: d (and m) float32 [out, in / 32]");
-  const at::Tensor q = q_in.contiguous(), d = d_in.contiguous();
-  const at::Tensor m = q4 ? m_in->contiguous() : at::Tensor();
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor d = has_d ? d_in->contiguous() : at::Tensor(), m = has_m ? m_in->contiguous() : at::Tensor();
   if (q4) TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() < 16, "pack_block_weight: 4-bit q must be 0..15");
-  const int64_t code_bytes = q4 ? kPanel / 2 : kPanel, scale_rows = q4 ? 2 : 1;
+  const int64_t elem = q.element_size();  // bytes per value: 1, or 2 for bfloat16
+  const int64_t code_bytes = q4 ? kPanel / 2 : kPanel * elem, scale_rows = q4 ? 2 : (has_d ? 1 : 0);
   at::Tensor codes = at::zeros({panels, k, code_bytes}, q.options().dtype(at::kByte));
-  at::Tensor scales = at::zeros({panels, blocks, scale_rows, kPanel}, d.options());
+  at::Tensor scales = at::zeros({panels, blocks, scale_rows, kPanel}, q.options().dtype(at::kFloat));
   const uint8_t* qs = reinterpret_cast<const uint8_t*>(q.data_ptr());
-  const float* ds = d.data_ptr<float>();
-  const float* ms = q4 ? m.data_ptr<float>() : nullptr;
   uint8_t* cp = codes.data_ptr<uint8_t>();
   float* sp = scales.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -70,12 +76,12 @@ std::tuple<at::Tensor, at::Tensor> pack_block_weight(const at::Tensor& q_in, con
         for (int64_t i = 0; i < k; ++i) {
           uint8_t* step = cp + (p * k + i) * code_bytes;
           if (q4) step[j % (kPanel / 2)] |= static_cast<uint8_t>(qs[col * k + i] << (j < kPanel / 2 ? 0 : 4));
-          else step[j] = qs[col * k + i];
+          else std::memcpy(step + j * elem, qs + (col * k + i) * elem, elem);
         }
-        for (int64_t b = 0; b < blocks; ++b) {
+        for (int64_t b = 0; b < blocks && scale_rows > 0; ++b) {
           float* s = sp + (p * blocks + b) * scale_rows * kPanel + j;
-          s[0] = ds[col * blocks + b];
-          if (q4) s[kPanel] = ms[col * blocks + b];
+          s[0] = d.data_ptr<float>()[col * blocks + b];
+          if (q4) s[kPanel] = m.data_ptr<float>()[col * blocks + b];
         }
       }
   });
@@ -112,6 +118,17 @@ struct Q8Blocks {
     const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16))));
     b0 = _mm512_mul_round_ps(q0, d0, kRound);
     b1 = _mm512_mul_round_ps(q1, d1, kRound);
+  }
+};
+
+// bfloat16 values (a bfloat16 checkpoint loaded as float32): widening is exact, so no rounding at all.
+struct Bf16Values {
+  static constexpr int64_t kCodeBytes = 2 * kPanel, kScaleFloats = 0;
+  void block(const float*) {}
+  void decode(const uint8_t* c, __m512& b0, __m512& b1) const {
+    const __m512i v = _mm512_loadu_si512(c);
+    b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+    b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
   }
 };
 
@@ -190,9 +207,10 @@ at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at:
                       const c10::optional<at::Tensor>& bias_in, int64_t out_features) {
 #if defined(__AVX512F__)
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
-                  (codes.size(2) == kPanel / 2 || codes.size(2) == kPanel) && scales.scalar_type() == at::kFloat &&
+                  (codes.size(2) == kPanel / 2 || codes.size(2) == kPanel || codes.size(2) == 2 * kPanel) &&
+                  scales.scalar_type() == at::kFloat &&
                   scales.dim() == 4 && scales.is_contiguous() && scales.size(0) == codes.size(0) &&
-                  scales.size(1) * kBlock == codes.size(1) && scales.size(2) == (codes.size(2) == kPanel ? 1 : 2) &&
+                  scales.size(1) * kBlock == codes.size(1) && scales.size(2) == (codes.size(2) == kPanel / 2 ? 2 : codes.size(2) == kPanel ? 1 : 0) &&
                   scales.size(3) == kPanel,
               "block_gemm: weight from pack_block_weight");
   const int64_t k = codes.size(1), n = out_features, panels = codes.size(0);
@@ -209,12 +227,13 @@ at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at:
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  if (codes.size(2) == kPanel / 2)
-    run_panels<Q4Blocks>(x.data_ptr<float>(), k, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), panels, m, n, bp,
-                         y.data_ptr<float>());
-  else
-    run_panels<Q8Blocks>(x.data_ptr<float>(), k, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), panels, m, n, bp,
-                         y.data_ptr<float>());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();  // may be null for bfloat16 (no scales), never read then
+  float* yp = y.data_ptr<float>();
+  if (codes.size(2) == kPanel / 2) run_panels<Q4Blocks>(xp, k, cp, sp, panels, m, n, bp, yp);
+  else if (codes.size(2) == kPanel) run_panels<Q8Blocks>(xp, k, cp, sp, panels, m, n, bp, yp);
+  else run_panels<Bf16Values>(xp, k, cp, sp, panels, m, n, bp, yp);
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = n;
   return y.view(shape);
@@ -226,7 +245,7 @@ at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
-  m.def("pack_block_weight(Tensor q, Tensor d, Tensor? m) -> (Tensor, Tensor)");
+  m.def("pack_block_weight(Tensor q, Tensor? d, Tensor? m) -> (Tensor, Tensor)");
   m.def("block_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int out_features) -> Tensor");
 }
 

@@ -3,11 +3,12 @@
 A GGUF weight dequantises, per block of 32 values along the input dimension, to fl(fl(d * q) + m)
 with q in 0..15 and one d and one m per block (Q4_1), or to fl(d * q) with q in -128..127 (Q8_0):
 float32 roundings as transformers' GGUF loader computes them. The packaged default model is such a
-file: its decoder linears are Q4_1 and its (tied) embedding and LM head Q8_0. Kept as blocks, a
-32-column panel at K = 576 takes 13.8 KB (Q4_1) or 20.7 KB (Q8_0) instead of 73.7 KB.
-`find_blocks` recovers q, d (and m) from the float32 weight and checks that they give back every
-value bit for bit; where any block does not, the weight stays float32 only. Nothing is rounded:
-the GEMM (csrc/exact_block_gemm.cpp) decodes the same float32 values it would otherwise read.
+file: its decoder linears are Q4_1 and its (tied) embedding and LM head Q8_0. A bfloat16 checkpoint
+(most published models) loaded as float32 holds bfloat16 values. Kept in those forms, a 32-column
+panel at K = 576 takes 13.8 KB (Q4_1), 20.7 KB (Q8_0) or 36.9 KB (bfloat16) instead of 73.7 KB.
+`find_blocks` recovers the form from the float32 weight and checks that it gives back every value
+bit for bit; where any value does not, the weight stays float32 only. Nothing is rounded: the GEMM
+(csrc/exact_block_gemm.cpp) decodes the same float32 values it would otherwise read.
 """
 
 from __future__ import annotations
@@ -18,22 +19,29 @@ BLOCK = 32
 _SAMPLE_ROWS = 64  # checked first, so a weight that is not such blocks (most are not) is rejected cheaply
 
 
-Blocks = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # q, d, m (None for Q8_0)
+Blocks = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]  # q, d (None: bfloat16), m (None: Q8_0, bfloat16)
 
 
 def find_blocks(weight: torch.Tensor) -> Blocks | None:
-    """weight [N, K] float32 -> (q, d, m) of its Q4_1 blocks (q uint8 [N, K], d and m [N, K / 32])
-    or (q, d, None) of its Q8_0 blocks (q int8), equal to the weight bit for bit; None if neither."""
+    """weight [N, K] float32 -> (q, d, m) of its Q4_1 blocks (q uint8 [N, K], d and m [N, K / 32]),
+    (q, d, None) of its Q8_0 blocks (q int8), or (q, None, None) of its bfloat16 values (q bfloat16),
+    equal to the weight bit for bit; None if none of them."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % BLOCK or weight.numel() == 0:
         return None
     weight = weight.detach().contiguous()
-    for solve in (_solve_q4, _solve_q8):
+    for solve in (_solve_q4, _solve_q8, _solve_bf16):  # the most compact form first
         if weight.shape[0] > _SAMPLE_ROWS and solve(weight[:_SAMPLE_ROWS]) is None:
             continue
         found = solve(weight)
         if found is not None:
             return found
     return None
+
+
+def _solve_bf16(weight: torch.Tensor) -> Blocks | None:
+    """bfloat16: every value survives the round trip to bfloat16 (widening back is exact)."""
+    values = weight.to(torch.bfloat16)
+    return (values, None, None) if torch.equal(values.float().view(torch.int32), weight.view(torch.int32)) else None
 
 
 def _solve_q8(weight: torch.Tensor) -> Blocks | None:

@@ -12,11 +12,12 @@ streams straight into its FMAs:
   (relative error ~2.5e-3 per GEMM, so greedy outputs drift from float32 ones), hence opt-in; the
   rest of the model stays float32. CPUs with AVX512-BF16; elsewhere it falls back to `avx512`.
   With `exact_blocks`, a weight that is exactly quantized blocks (layers/exact_blocks.py: what a GGUF
-  Q4_1 or Q8_0 file dequantises to, as the default model's linears and LM head are) also keeps those
-  blocks, and GEMMs of up to `BLOCKS_MAX_ROWS` rows read them instead (csrc/exact_block_gemm.cpp):
-  the same float32 values, decoded in registers, so the same results bit for bit, from 3.6-5.3x fewer
-  bytes (a step's layer GEMMs at 1 / 4 / 8 rows 2.8x / 1.8x / 1.3x faster; from ~12 rows the
-  arithmetic, not the stream, sets the pace).
+  Q4_1 or Q8_0 file dequantises to, as the default model's linears and LM head are) or bfloat16 values
+  also keeps that form, and GEMMs of up to `BLOCKS_MAX_ROWS` rows read it instead
+  (csrc/exact_block_gemm.cpp): the same float32 values, decoded in registers, so the same results bit
+  for bit, from 2-5.3x fewer bytes (a step's layer GEMMs at 1 / 4 / 8 rows: Q4_1 2.1-2.8x / 1.5-1.8x /
+  1.1-1.3x faster, bfloat16 1.65x / 1.18x / 0.99x; from ~10 rows the arithmetic, not the stream, sets
+  the pace).
 - `onednn`: oneDNN's blocked layout, the primitive torch's own compiler uses when it freezes a CPU
   model's linears; 1.2-2x `F.linear` ([64,576]x[576,960] 157 -> 203 GFLOPS, the LM head
   [64,576]x[576,49152] 96 -> 201). float32 and bfloat16.
