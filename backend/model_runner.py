@@ -110,7 +110,7 @@ class ModelRunner:
                           device=str(rank_device(self.device, rank)), max_model_len=self.max_model_len,
                           rank=rank, world_size=self.tp_size, num_threads=threads, block_size=self.block_size,
                           cpu_gemm=self.config.cpu_gemm, batch_hint=self.config.max_num_seqs,
-                          cpu_kernels=self.config.cpu_kernels)
+                          cpu_kernels=self.config.cpu_kernels, exact_blocks=self.config.exact_block_weights)
 
     def _connect_workers(self) -> None:
         self.workers.wait_loaded()

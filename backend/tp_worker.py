@@ -36,7 +36,8 @@ def serve(conn: Connection) -> None:
     devices.set_device(device)
     dtype = getattr(torch, spec.dtype)
     tp = TPShard(spec.rank, spec.world_size)
-    model = load_model(Path(spec.model_dir), dtype, device, spec.max_model_len, tp, spec.cpu_gemm, spec.batch_hint)
+    model = load_model(Path(spec.model_dir), dtype, device, spec.max_model_len, tp, spec.cpu_gemm, spec.batch_hint,
+                       exact_blocks=spec.exact_blocks)
     conn.send("loaded")
     _, store_port, num_blocks = conn.recv()
     store = make_store(store_port, spec.world_size, False)

@@ -50,6 +50,7 @@ class WorkerSpec:
     cpu_gemm: str = "aten"  # EngineConfig.cpu_gemm
     batch_hint: int = 64  # rows the packed CPU weights are tuned for (max_num_seqs)
     cpu_kernels: bool = False  # EngineConfig.cpu_kernels
+    exact_blocks: bool = False  # EngineConfig.exact_block_weights
     kv_cache_dtype: str = "float32"  # the pool's torch dtype name (EngineConfig.kv_cache_dtype resolved)
 
 
