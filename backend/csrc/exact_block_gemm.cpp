@@ -67,6 +67,8 @@ std::tuple<at::Tensor, at::Tensor> pack_block_weight(const at::Tensor& q_in, con
   at::Tensor codes = at::zeros({panels, k, code_bytes}, q.options().dtype(at::kByte));
   at::Tensor scales = at::zeros({panels, blocks, scale_rows, kPanel}, q.options().dtype(at::kFloat));
   const uint8_t* qs = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  const float* ds = has_d ? d.data_ptr<float>() : nullptr;
+  const float* ms = has_m ? m.data_ptr<float>() : nullptr;
   uint8_t* cp = codes.data_ptr<uint8_t>();
   float* sp = scales.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -80,8 +82,8 @@ std::tuple<at::Tensor, at::Tensor> pack_block_weight(const at::Tensor& q_in, con
         }
         for (int64_t b = 0; b < blocks && scale_rows > 0; ++b) {
           float* s = sp + (p * blocks + b) * scale_rows * kPanel + j;
-          s[0] = d.data_ptr<float>()[col * blocks + b];
-          if (q4) s[kPanel] = m.data_ptr<float>()[col * blocks + b];
+          s[0] = ds[col * blocks + b];
+          if (q4) s[kPanel] = ms[col * blocks + b];
         }
       }
   });
