@@ -62,6 +62,43 @@ def test_4_bit_blocks_are_found_and_give_back_every_value_bit_for_bit():
     assert torch.equal(bits(rebuilt.view(96, 128)), bits(weight))
 
 
+def q4_weight_with_inexact_products(out_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight [out, 32], d, q): one Q4_1 block per row, fl(fl(d * q) + m) with float32 d (not float16)
+    chosen so that span / 15 gives d back and rebuilds every value, yet some fl(d * q) is rounded."""
+    gen = torch.Generator().manual_seed(seed)
+    rows_w, rows_d, rows_q = [], [], []
+    while len(rows_w) < out_features:
+        d = torch.rand(1, 1, generator=gen) * 0.01
+        m = (-torch.rand(1, 1, generator=gen) * 0.08).half().float()
+        q = torch.randint(0, 16, (1, 32), generator=gen).float()
+        q[0, 0], q[0, 1] = 0, 15
+        w = d * q + m
+        quotient = (w.amax() - w.amin()) / 15
+        rebuilds = torch.equal(bits(quotient * q + m), bits(w))
+        inexact = not torch.equal((d * q).double(), d.double() * q.double())
+        if rebuilds and inexact and bool(quotient == d):
+            rows_w.append(w), rows_d.append(d), rows_q.append(q)
+    return torch.cat(rows_w), torch.cat(rows_d), torch.cat(rows_q).to(torch.uint8)
+
+
+def test_4_bit_blocks_whose_products_round_are_left_alone():
+    """The block GEMM decodes 4-bit blocks in one FMA, round(d * q + m), equal to the two roundings
+    the weight was made with only where d * q is exact (always, for GGUF's float16 scales). A weight
+    whose float32 scales rebuild it with two roundings but not with one stays float32."""
+    weight, d, q = q4_weight_with_inexact_products(8, seed=6)
+    assert find_blocks(weight) is None
+
+
+@avx512
+def test_the_4_bit_packing_refuses_scales_whose_products_round():
+    weight, d, q = q4_weight_with_inexact_products(8, seed=6)
+    m = weight.amin(-1, keepdim=True)
+    with pytest.raises(RuntimeError, match="d \\* q exact"):
+        cpu_kernels.pack_block_weight(q, d, m)
+    exact_d = d.half().float()  # float16 scales: every product exact, so the same codes pack
+    cpu_kernels.pack_block_weight(q, exact_d, m)
+
+
 def test_8_bit_blocks_are_found_and_give_back_every_value_bit_for_bit():
     weight = q8_weight(96, 128, seed=1)
     q, d, m = find_blocks(weight)

@@ -9,10 +9,13 @@
 // the weights, so it runs up to 2.8x faster from the blocks (layers/exact_blocks.py finds them at
 // load and checks every value; layers/linear.py picks them by row count).
 //
-// Exactness: the microkernel decodes a k step's 32 weights with the roundings the weight was made
-// with (explicit-rounding intrinsics, which the compiler cannot fuse into an FMA), then does what
-// packed_gemm's microkernel does: start from zero (or the bias) and add one FMA per product in k
-// order. So each result equals packed_gemm's bit for bit, whatever the batch or the tiling.
+// Exactness: the microkernel decodes a k step's 32 weights to the float32 values the weight holds,
+// then does what packed_gemm's microkernel does: start from zero (or the bias) and add one FMA per
+// product in k order. So each result equals packed_gemm's bit for bit, whatever the batch or the
+// tiling. Q4_1 decodes in one FMA, round(d * q + m): pack_block_weight accepts only d whose products
+// d * q are exact in float32 (every float16 d is: 11 significant bits times 4), and then that one
+// rounding is fl(fl(d * q) + m). Q8_0 decodes as fl(d * q), with an explicit-rounding multiply that
+// the compiler cannot fuse with anything.
 //
 // Layout per 32-column panel (the last one zero-padded; zero codes and scales decode to 0.0):
 //   Q4_1: codes [K, 16] uint8, byte j of a k step = column j (low nibble) | column j + 16 (high);
@@ -27,6 +30,7 @@
 #include "claimed_chunks.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -42,6 +46,27 @@ constexpr int64_t kPanel = 32;           // output columns per panel (two zmm)
 constexpr int64_t kBlock = 32;           // k values sharing one scale (and one min)
 constexpr int kMaxRows = 12;             // rows per microkernel call
 constexpr int64_t kClaimsPerThread = 8;  // panel runs each thread claims (claimed_chunks.h)
+
+// Whether fl(d * q) == d * q for every 4-bit code q [N, K] and its block's d [N, K / 32].
+bool products_exact(const at::Tensor& q, const at::Tensor& d) {
+  const int64_t n = q.size(0), k = q.size(1), blocks = k / kBlock;
+  const uint8_t* qs = q.data_ptr<uint8_t>();
+  const float* ds = d.data_ptr<float>();
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1 && exact.load(std::memory_order_relaxed); ++r)
+      for (int64_t i = 0; i < k; ++i) {
+        const float dv = ds[r * blocks + i / kBlock];
+        const float qv = static_cast<float>(qs[r * k + i]);
+        const float rounded = dv * qv;  // float32: no FMA contraction here, nothing is added
+        if (static_cast<double>(rounded) != static_cast<double>(dv) * static_cast<double>(qv)) {
+          exact.store(false, std::memory_order_relaxed);
+          break;
+        }
+      }
+  });
+  return exact.load();
+}
 
 // (codes, scales) for W [N, K] given as q [N, K] and d, m [N, K / 32] float32: uint8 q (0..15) with d
 // and m (Q4_1), int8 q with d (Q8_0), or bfloat16 q, the values themselves, with neither (bfloat16).
@@ -61,7 +86,11 @@ std::tuple<at::Tensor, at::Tensor> pack_block_weight(const at::Tensor& q_in, con
               "pack_block_weight: d (and m) float32 [out, in / 32]");
   const at::Tensor q = q_in.contiguous();
   const at::Tensor d = has_d ? d_in->contiguous() : at::Tensor(), m = has_m ? m_in->contiguous() : at::Tensor();
-  if (q4) TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() < 16, "pack_block_weight: 4-bit q must be 0..15");
+  if (q4) {
+    TORCH_CHECK(q.numel() == 0 || q.max().item<uint8_t>() < 16, "pack_block_weight: 4-bit q must be 0..15");
+    TORCH_CHECK(products_exact(q, d), "pack_block_weight: 4-bit blocks need every d * q exact in float32 ",
+                "(true for float16 d): the GEMM decodes them with one rounding");
+  }
   const int64_t elem = q.element_size();  // bytes per value: 1, or 2 for bfloat16
   const int64_t code_bytes = q4 ? kPanel / 2 : kPanel * elem, scale_rows = q4 ? 2 : (has_d ? 1 : 0);
   at::Tensor codes = at::zeros({panels, k, code_bytes}, q.options().dtype(at::kByte));
@@ -106,8 +135,8 @@ struct Q4Blocks {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xf)));
     const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-    b0 = _mm512_add_round_ps(_mm512_mul_round_ps(q0, d0, kRound), m0, kRound);
-    b1 = _mm512_add_round_ps(_mm512_mul_round_ps(q1, d1, kRound), m1, kRound);
+    b0 = _mm512_fmadd_ps(q0, d0, m0);  // d * q is exact (pack_block_weight checks), so one rounding is both
+    b1 = _mm512_fmadd_ps(q1, d1, m1);
   }
 };
 

@@ -73,7 +73,7 @@ def _solve(blocks: torch.Tensor, m: torch.Tensor | None, span: torch.Tensor, lev
            q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(q in `q_dtype`, d) with d * q (+ m) == blocks bit for bit, else None. d is span / levels up to its
     own rounding: try its float16 value, that value's float16 neighbours, then the float32 quotient;
-    each block keeps the first that rebuilds it. Dense passes over the whole weight: most blocks take
+    each block keeps the first that rebuilds it (for 4-bit blocks, with every d * q exact). Dense passes over the whole weight: most blocks take
     the first candidate, and a pass over 1M values costs a few ms."""
     bits = blocks.view(torch.int32)
     d_half = (span / levels).to(torch.float16)
@@ -89,9 +89,11 @@ def _solve(blocks: torch.Tensor, m: torch.Tensor | None, span: torch.Tensor, lev
         usable = torch.isfinite(cand) & (cand > 0) & ~zero_span & ~solved
         cq = (base / torch.where(usable, cand, 1.0)[..., None]).round_().clamp_(*q_range)
         rebuilt = cand[..., None] * cq  # then + m: two roundings, eager torch does not fuse them
+        hit = usable
         if m is not None:
+            hit = hit & _exact_products(cand, cq, rebuilt)
             rebuilt = rebuilt + m[..., None]
-        hit = usable & (rebuilt.view(torch.int32) == bits).all(-1)
+        hit = hit & (rebuilt.view(torch.int32) == bits).all(-1)
         d = torch.where(hit, cand, d)
         q = torch.where(hit[..., None], cq, q)
         solved |= hit
@@ -114,5 +116,13 @@ def _rebuilds(blocks: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.T
     """Whether the blocks decode to the weight bit for bit, as the GEMM decodes them."""
     rebuilt = d[..., None] * q.float()
     if m is not None:
+        if not bool(_exact_products(d, q.float(), rebuilt).all()):
+            return False
         rebuilt = rebuilt + m[..., None]
     return bool((rebuilt.view(torch.int32) == blocks.view(torch.int32)).all())
+
+
+def _exact_products(d: torch.Tensor, q: torch.Tensor, products: torch.Tensor) -> torch.Tensor:
+    """Per block: whether every float32 d * q (`products`) is exact. The GEMM decodes 4-bit blocks
+    in one FMA, round(d * q + m), which is fl(fl(d * q) + m) only then; float16 scales always are."""
+    return (products.double() == d.double()[..., None] * q.double()).all(-1)
