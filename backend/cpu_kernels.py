@@ -6,7 +6,8 @@ RMSNorm, rotary embedding + KV write, SiLU * up (csrc/fused_decoder_ops.cpp), an
 argmax + log-prob in one pass (csrc/greedy_head.cpp); on AVX-512 CPUs the GEMM for the linears,
 weights packed once, in float32 or (opt-in) bfloat16 (csrc/packed_gemm.cpp), and on float32 weights
 that are exactly quantized blocks read as those blocks (csrc/exact_block_gemm.cpp); and the float32
-greedy head's argmax found through a bfloat16 LM head (csrc/screened_greedy_head.cpp). torch's JIT
+greedy head's argmax found through a bfloat16 LM head (csrc/screened_greedy_head.cpp); and a
+Llama-family model's decoder layers in one call over those ops (csrc/decoder_stack.cpp). torch's JIT
 extension builder compiles it with the machine's g++ for the machine's own CPU (-march=native) into
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one folder per
 checkout, one process at a time (`_build_lock`); later processes load the cached build in well under a
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 _NAME = "tritonllm_cpu_kernels"
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp",
-             "screened_greedy_head.cpp", "exact_block_gemm.cpp")]
+             "screened_greedy_head.cpp", "exact_block_gemm.cpp", "decoder_stack.cpp")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str

@@ -142,17 +142,26 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch, max_q, num_heads, head_dim)
 
 
+def one_kernel_call(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(block tables, mask [rows, width]) when one paged_decode_attention call covers every query row
+    of the step: a decode-only step in one group (most steps) or a step of prompt chunks only. None
+    otherwise, or without the CPU kernels."""
+    if not meta.cpu_kernels:
+        return None
+    if meta.prefill is None and len(meta.decode) == 1 and meta.decode[0].num_tokens == num_tokens:
+        g = meta.decode[0]
+        return g.block_tables, g.mask.view(g.mask.shape[0], -1)
+    if not meta.decode and meta.prefill is not None:
+        return meta.prefill.per_token_rows()
+    return None
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim] (K/V already written) -> [tokens, heads, head_dim]."""
-    if meta.cpu_kernels and meta.prefill is None and len(meta.decode) == 1 and meta.decode[0].num_tokens == len(q):
-        # A decode-only step (most steps): the kernel's result is the whole output, no copy into one.
-        g = meta.decode[0]
-        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables,
-                                                  g.mask.view(g.mask.shape[0], -1), scale)
-    if meta.cpu_kernels and not meta.decode and meta.prefill is not None:  # prompt chunks only
-        tables, mask = meta.prefill.per_token_rows()
-        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, scale)
+    whole = one_kernel_call(meta, len(q))
+    if whole is not None:  # the kernel's result is the whole output, no copy into one
+        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, *whole, scale)
     out = torch.empty_like(q)
     for g in meta.decode:
         rows = slice(g.token_offset, g.token_offset + g.num_tokens)

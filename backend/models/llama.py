@@ -17,6 +17,7 @@ from ..layers.linear import Linear, PackedWeight, pack_linears
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..tensor_parallel import SINGLE, TPShard
+from .decoder_stack import DecoderStack
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _EXACT_HEAD_MAX_ROWS = 2  # steps of up to this many rows take an exact-block LM head over the greedy screen
@@ -122,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tied_head_packed: PackedWeight | None = None  # the tied LM head, packed (pack_for_cpu)
         self.greedy_screen: GreedyScreen | None = None  # greedy ids through a bfloat16 head (add_greedy_screen)
+        self.decoder_stack: DecoderStack | None = None  # the layers as one C++ call (pack_for_cpu)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -137,6 +139,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
         hidden, residual = self.embed_tokens(input_ids), None
         meta.rope_cos, meta.rope_sin = self.rotary.lookup(positions, hidden.dtype)
+        if self.decoder_stack is not None:
+            attention = self.decoder_stack.applies(hidden, meta)
+            if attention is not None:  # the same ops as the layers below, in one C++ call
+                return self.decoder_stack(hidden, kv_caches, meta, attention)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         return residual.add_(hidden)
@@ -177,6 +183,7 @@ class LlamaForCausalLM(nn.Module):
         (with avx512_bf16 and a greedy screen, the screen's bfloat16 copy, which is the same panels).
         """
         pack_linears(self, kernel, batch_hint, exact_blocks)
+        self.decoder_stack = DecoderStack.build(self)
         if self.lm_head is None:
             shared = self.greedy_screen.packed if kernel == "avx512_bf16" and self.greedy_screen is not None else None
             self.tied_head_packed = PackedWeight(self.embed_tokens.weight, kernel, batch_hint, packed=shared,

@@ -1,0 +1,102 @@
+// All decoder layers of a Llama-family model in one call, for a step whose attention is one
+// paged_decode_attention call (decode-only or prompt-only steps on CPU in float32).
+//
+// Why: at a few rows a layer's nine ops take microseconds each, and calling each from Python costs
+// ~3 us (argument parsing, dispatch, output allocation) plus the modules around them: ~1 ms of a
+// ~9.5 ms batch-1 step. Here each op is called through torch's dispatcher from C++ instead.
+//
+// Exactness: the same ops, on the same tensors, in the same order as models/llama.py's
+// LlamaDecoderLayer with meta.cpu_kernels (the first layer's norm is aten's rms_norm, the others are
+// add_rms_norm_), so the results are that path's bit for bit. Each linear is given as what
+// layers/linear.py's PackedWeight would read at this row count: a packed_gemm panel weight, or the
+// exact blocks (codes with their scales) for block_gemm.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLinearsPerLayer = 4;  // fused QKV, output, fused gate/up, down
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+using Gemm = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t);
+using BlockGemm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                             int64_t);
+using AddNorm = at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using RopeWrite = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                             const at::Tensor&, int64_t, int64_t);
+using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, double);
+using SiluMul = at::Tensor(const at::Tensor&);
+
+struct Ops {
+  c10::TypedOperatorHandle<Gemm> packed_gemm = op<Gemm>("tritonllm::packed_gemm");
+  c10::TypedOperatorHandle<BlockGemm> block_gemm = op<BlockGemm>("tritonllm::block_gemm");
+  c10::TypedOperatorHandle<AddNorm> add_rms_norm = op<AddNorm>("tritonllm::add_rms_norm_");
+  c10::TypedOperatorHandle<RopeWrite> rope_write_kv = op<RopeWrite>("tritonllm::rope_write_kv");
+  c10::TypedOperatorHandle<Attention> attention = op<Attention>("tritonllm::paged_decode_attention");
+  c10::TypedOperatorHandle<SiluMul> silu_mul = op<SiluMul>("tritonllm::silu_mul");
+};
+
+const Ops& ops() {
+  static const Ops instance;  // looked up once: the other files' ops are registered by then
+  return instance;
+}
+
+// hidden [tokens, hidden_size]: the embeddings, which become the residual stream (updated in place). Per layer l: norms[2l], norms[2l + 1] (input and
+// post-attention RMSNorm weights); weights[4l + i] with scales[4l + i] (i: QKV, O, gate/up, down):
+// a packed_gemm weight where the scale is None, else block_gemm codes; biases likewise (None: no
+// bias). Returns the final residual stream (before the final norm), as LlamaForCausalLM.forward.
+at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::TensorList weights,
+                         const c10::List<c10::optional<at::Tensor>>& scales,
+                         const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& mask,
+                         double scale, double eps, int64_t num_heads, int64_t num_kv_heads) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  const int64_t linears = kLinearsPerLayer * layers;
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(weights.size()) == linears &&
+                  static_cast<int64_t>(scales.size()) == linears && static_cast<int64_t>(biases.size()) == linears &&
+                  static_cast<int64_t>(out_features.size()) == linears,
+              "decoder_stack: per layer 2 norms, 4 weights (with scales, biases, out_features) and one K and V cache");
+  TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kFloat, "decoder_stack: hidden [tokens, hidden] float32");
+  const Ops& o = ops();
+  const int64_t tokens = hidden_in.size(0), head_dim = k_caches[0].size(3);
+  auto linear = [&](const at::Tensor& x, int64_t i) {
+    const c10::optional<at::Tensor> s = scales.get(i), bias = biases.get(i);
+    if (s.has_value() && s->defined()) return o.block_gemm.call(x, weights[i], *s, bias, out_features[i]);
+    return o.packed_gemm.call(x, weights[i], bias, out_features[i]);
+  };
+  at::Tensor residual = hidden_in, hidden;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t i = kLinearsPerLayer * l;
+    at::Tensor x = l == 0 ? at::rms_norm(residual, {residual.size(1)}, norms[0], eps)
+                          : o.add_rms_norm.call(residual, hidden, norms[2 * l], eps);
+    at::Tensor qkv = linear(x, i).view({tokens, num_heads + 2 * num_kv_heads, head_dim});
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    at::Tensor q = o.rope_write_kv.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
+    at::Tensor attn = o.attention.call(q, k_cache, v_cache, block_tables, mask, scale);
+    x = o.add_rms_norm.call(residual, linear(attn.view({tokens, num_heads * head_dim}), i + 1), norms[2 * l + 1], eps);
+    hidden = linear(o.silu_mul.call(linear(x, i + 2)), i + 3);
+  }
+  return residual.add_(hidden);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
+  m.def("decoder_stack(Tensor(c!) hidden, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
+        "int[] out_features, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor mask, float scale, float eps, int num_heads, "
+        "int num_kv_heads) -> Tensor(c!)");
+}
+
+TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("decoder_stack", &decoder_stack); }

@@ -1,0 +1,75 @@
+"""A Llama-family model's decoder layers as one C++ call (csrc/decoder_stack.cpp), where it applies.
+
+At a few rows a layer's nine ops take microseconds each and calling them from Python is a tenth of
+the step: ~3 us per op (argument parsing, dispatch, output allocation) and ~0.8 us per module call,
+~1 ms of a ~9.5 ms batch-1 step for this model's 30 layers. The C++ call runs the same ops, on the
+same tensors and in the same order (`LlamaDecoderLayer.forward` with the CPU kernels), so its
+results are bit for bit those of the modules; it needs:
+- float32 on CPU with our kernels (`meta.cpu_kernels`) and every linear on `cpu_gemm=avx512`;
+- one rank (tensor parallelism all-reduces between the ops);
+- one attention kernel call for the whole step (`layers.attention.one_kernel_call`): decode-only
+  or prompt-only steps. Mixed steps take the modules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import cpu_kernels
+from ..layers.attention import AttentionMetadata, one_kernel_call
+from ..layers.linear import BLOCKS_MAX_ROWS, PackedWeight
+
+
+class DecoderStack:
+    """Built from a LlamaForCausalLM whose linears are packed; `None` from `build` if it cannot apply."""
+
+    def __init__(self, layers, eps: float, num_heads: int, num_kv_heads: int, scale: float):
+        self.norms = [w for layer in layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        packed: list[PackedWeight] = [lin.packed for lin in linears]
+        self.biases = [lin.bias for lin in linears]
+        self.out_features = [p.out_features for p in packed]
+        # What PackedWeight would read: the float32 panels, or at up to BLOCKS_MAX_ROWS rows the blocks.
+        self.panels = ([p.data for p in packed], [None] * len(packed))
+        self.blocks = ([p.blocks[0] if p.blocks is not None else p.data for p in packed],
+                       [p.blocks[1] if p.blocks is not None else None for p in packed])
+        self.eps, self.num_heads, self.num_kv_heads, self.scale = eps, num_heads, num_kv_heads, scale
+        self._kv_caches = None  # the runner's pool, split once into K and V lists
+        self._k_caches: list[torch.Tensor] = []
+        self._v_caches: list[torch.Tensor] = []
+
+    @classmethod
+    def build(cls, model) -> "DecoderStack | None":
+        layers = list(model.layers)
+        if model.tp.world_size != 1 or not layers or not cpu_kernels.load():
+            return None
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if lin.packed is None or lin.packed.kernel != "avx512":
+                    return None
+        first = layers[0]
+        if first.input_layernorm.eps != first.post_attention_layernorm.eps:
+            return None
+        attn = first.self_attn
+        return cls(layers, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.scale)
+
+    def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The attention's (tables, mask) if this step can take the stack, else None."""
+        if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+            return None
+        return one_kernel_call(meta, hidden.shape[0])
+
+    def __call__(self, hidden: torch.Tensor, kv_caches, meta: AttentionMetadata,
+                 attention: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """hidden: the step's embeddings (becomes the residual stream) -> the final residual stream."""
+        if self._kv_caches is not kv_caches:
+            self._kv_caches = kv_caches
+            self._k_caches, self._v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
+        weights, scales = self.blocks if hidden.shape[0] <= BLOCKS_MAX_ROWS else self.panels
+        tables, mask = attention
+        return torch.ops.tritonllm.decoder_stack(
+            hidden, self.norms, weights, scales, self.biases, self.out_features, self._k_caches, self._v_caches,
+            meta.rope_cos, meta.rope_sin, meta.slot_mapping, tables, mask, self.scale, self.eps,
+            self.num_heads, self.num_kv_heads)
