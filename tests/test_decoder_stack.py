@@ -64,32 +64,37 @@ def test_engine_outputs_equal_with_and_without_the_stack(model_dir, exact_blocks
 
 
 @avx512
-def test_mixed_steps_take_the_modules(model_dir):
-    """A step with both decodes and a prompt chunk is more than one attention call: not the stack."""
-    from tritonllm.layers.attention import one_kernel_call
+def test_a_mixed_step_takes_the_stack_with_the_modules_results(model_dir):
+    """A step with decodes beside a prompt chunk runs two attention calls (the decodes, then the
+    prompt's tokens); its ids and log-probs are the modules' bit for bit."""
     from tritonllm.sampling_params import SamplingParams
 
-    eng = engine(model_dir)
-    seen = []
-    real = one_kernel_call
+    params = SamplingParams(max_tokens=6, logprobs=True, ignore_eos=True)
+    results = {}
+    for on in (True, False):
+        eng = engine(model_dir)
+        model = eng.runner.model
+        calls_per_step = []
+        real_applies = model.decoder_stack.applies
 
-    def spy(meta, num_tokens):
-        found = real(meta, num_tokens)
-        seen.append((bool(meta.decode) and meta.prefill is not None, found is None))
-        return found
+        def applies(hidden, meta, real_applies=real_applies, calls_per_step=calls_per_step):
+            calls = real_applies(hidden, meta)
+            calls_per_step.append(len(calls))
+            return calls if on else None
 
-    import tritonllm.models.decoder_stack as stack_module
-    stack_module.one_kernel_call = spy
-    try:
-        params = SamplingParams(max_tokens=4, ignore_eos=True)
-        eng.add_sequence(eng.make_sequence("Tell me about the moon.", params))
+        model.decoder_stack.applies = applies
+        first = eng.make_sequence("Tell me about the moon.", params)
+        eng.add_sequence(first)
         eng.step()  # its prompt
-        eng.add_sequence(eng.make_sequence("And the sun?", params))
-        eng.step()  # one decode and the new prompt: a mixed step
-    finally:
-        stack_module.one_kernel_call = real
-    assert (True, True) in seen  # the mixed step was refused
-    assert (False, False) in seen  # the prompt-only step was taken
+        second = eng.make_sequence("And the sun?", params)
+        eng.add_sequence(second)
+        eng.step()  # the first one's decode beside the second one's prompt
+        while eng.has_unfinished():
+            eng.step()
+        assert calls_per_step[:2] == [1, 2]
+        results[on] = [(seq.output_token_ids, torch.tensor(seq.output_logprobs)) for seq in (first, second)]
+    for (ids_on, lp_on), (ids_off, lp_off) in zip(results[True], results[False]):
+        assert ids_on == ids_off and torch.equal(bits(lp_on), bits(lp_off))
 
 
 def test_no_stack_without_the_avx512_gemm(model_dir):

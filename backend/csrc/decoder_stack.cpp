@@ -1,5 +1,5 @@
-// All decoder layers of a Llama-family model in one call, for a step whose attention is one
-// paged_decode_attention call (decode-only or prompt-only steps on CPU in float32).
+// All decoder layers of a Llama-family model in one call, for a step on CPU in float32 whose attention
+// runs through paged_decode_attention (layers/attention.py `kernel_calls`).
 //
 // Why: at a few rows a layer's nine ops take microseconds each, and calling each from Python costs
 // ~3 us (argument parsing, dispatch, output allocation) plus the modules around them: ~1 ms of a
@@ -58,8 +58,9 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
                          const c10::List<c10::optional<at::Tensor>>& scales,
                          const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& mask,
-                         double scale, double eps, int64_t num_heads, int64_t num_kv_heads) {
+                         const at::Tensor& slot_mapping, at::IntArrayRef call_starts, at::IntArrayRef call_ends,
+                         at::TensorList call_tables, at::TensorList call_masks, double scale, double eps,
+                         int64_t num_heads, int64_t num_kv_heads) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   const int64_t linears = kLinearsPerLayer * layers;
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -67,6 +68,9 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
                   static_cast<int64_t>(scales.size()) == linears && static_cast<int64_t>(biases.size()) == linears &&
                   static_cast<int64_t>(out_features.size()) == linears,
               "decoder_stack: per layer 2 norms, 4 weights (with scales, biases, out_features) and one K and V cache");
+  const size_t calls = call_starts.size();
+  TORCH_CHECK(calls > 0 && call_ends.size() == calls && call_tables.size() == calls && call_masks.size() == calls,
+              "decoder_stack: per attention call a first row, an end row, block tables and a mask");
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kFloat, "decoder_stack: hidden [tokens, hidden] float32");
   const Ops& o = ops();
   const int64_t tokens = hidden_in.size(0), head_dim = k_caches[0].size(3);
@@ -74,6 +78,18 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
     const c10::optional<at::Tensor> s = scales.get(i), bias = biases.get(i);
     if (s.has_value() && s->defined()) return o.block_gemm.call(x, weights[i], *s, bias, out_features[i]);
     return o.packed_gemm.call(x, weights[i], bias, out_features[i]);
+  };
+  // As paged_attention: one call covering every row returns its result, else each call's rows are
+  // copied into one output.
+  auto attention = [&](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+    if (calls == 1) return o.attention.call(q, k_cache, v_cache, call_tables[0], call_masks[0], scale);
+    at::Tensor out = at::empty_like(q);
+    for (size_t c = 0; c < calls; ++c) {
+      const int64_t start = call_starts[c], rows = call_ends[c] - start;
+      out.narrow(0, start, rows).copy_(
+          o.attention.call(q.narrow(0, start, rows), k_cache, v_cache, call_tables[c], call_masks[c], scale));
+    }
+    return out;
   };
   at::Tensor residual = hidden_in, hidden;
   for (int64_t l = 0; l < layers; ++l) {
@@ -83,7 +99,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
     at::Tensor qkv = linear(x, i).view({tokens, num_heads + 2 * num_kv_heads, head_dim});
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     at::Tensor q = o.rope_write_kv.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
-    at::Tensor attn = o.attention.call(q, k_cache, v_cache, block_tables, mask, scale);
+    at::Tensor attn = attention(q, k_cache, v_cache);
     x = o.add_rms_norm.call(residual, linear(attn.view({tokens, num_heads * head_dim}), i + 1), norms[2 * l + 1], eps);
     hidden = linear(o.silu_mul.call(linear(x, i + 2)), i + 3);
   }
@@ -95,8 +111,8 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
 TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
   m.def("decoder_stack(Tensor(c!) hidden, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
         "int[] out_features, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor mask, float scale, float eps, int num_heads, "
-        "int num_kv_heads) -> Tensor(c!)");
+        "Tensor slot_mapping, int[] call_starts, int[] call_ends, Tensor[] call_tables, Tensor[] call_masks, "
+        "float scale, float eps, int num_heads, int num_kv_heads) -> Tensor(c!)");
 }
 
 TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("decoder_stack", &decoder_stack); }

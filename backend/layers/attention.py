@@ -142,41 +142,37 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch, max_q, num_heads, head_dim)
 
 
-def one_kernel_call(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(block tables, mask [rows, width]) when one paged_decode_attention call covers every query row
-    of the step: a decode-only step in one group (most steps) or a step of prompt chunks only. None
-    otherwise, or without the CPU kernels."""
+def kernel_calls(meta: AttentionMetadata, num_tokens: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]] | None:
+    """The paged_decode_attention calls that cover the step's query rows, as (first row, end row,
+    block tables, mask [rows, width]): one per decode group, then one for the prompt chunks (each
+    prompt token one query row with its causal mask). None without the CPU kernels."""
     if not meta.cpu_kernels:
         return None
-    if meta.prefill is None and len(meta.decode) == 1 and meta.decode[0].num_tokens == num_tokens:
-        g = meta.decode[0]
-        return g.block_tables, g.mask.view(g.mask.shape[0], -1)
-    if not meta.decode and meta.prefill is not None:
-        return meta.prefill.per_token_rows()
-    return None
+    calls = [(g.token_offset, g.token_offset + g.num_tokens, g.block_tables, g.mask.view(g.mask.shape[0], -1))
+             for g in meta.decode]
+    if meta.prefill is not None:
+        calls.append((meta.prefill.token_offset, num_tokens, *meta.prefill.per_token_rows()))
+    return calls
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim] (K/V already written) -> [tokens, heads, head_dim]."""
-    whole = one_kernel_call(meta, len(q))
-    if whole is not None:  # the kernel's result is the whole output, no copy into one
-        return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, *whole, scale)
+    calls = kernel_calls(meta, len(q))
+    if calls is not None:
+        if len(calls) == 1:  # most steps: the kernel's result is the whole output, no copy into one
+            return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, calls[0][2], calls[0][3], scale)
+        out = torch.empty_like(q)
+        for start, end, tables, mask in calls:
+            out[start:end] = cpu_kernels.paged_decode_attention(q[start:end], k_cache, v_cache, tables, mask, scale)
+        return out
     out = torch.empty_like(q)
     for g in meta.decode:
         rows = slice(g.token_offset, g.token_offset + g.num_tokens)
-        if meta.cpu_kernels:
-            out[rows] = cpu_kernels.paged_decode_attention(q[rows], k_cache, v_cache, g.block_tables,
-                                                           g.mask.view(g.mask.shape[0], -1), scale)
-        else:
-            out[rows] = _decode_group(q[rows], k_cache, v_cache, g, scale)
+        out[rows] = _decode_group(q[rows], k_cache, v_cache, g, scale)
     if meta.prefill is not None:
         g = meta.prefill
-        if meta.cpu_kernels:  # each prompt token is one query row of the kernel, with its causal mask
-            tables, mask = g.per_token_rows()
-            out[g.token_offset:] = cpu_kernels.paged_decode_attention(q[g.token_offset:], k_cache, v_cache, tables,
-                                                                      mask, scale)
-        elif g.query_index is None:  # a single prompt chunk: no padding needed
+        if g.query_index is None:  # a single prompt chunk: no padding needed
             q_pre = q[g.token_offset:g.token_offset + g.num_tokens].unsqueeze(0)
             out[g.token_offset:] = _attend_group(q_pre, k_cache, v_cache, g, scale).squeeze(0)
         else:

@@ -7,8 +7,7 @@ same tensors and in the same order (`LlamaDecoderLayer.forward` with the CPU ker
 results are bit for bit those of the modules; it needs:
 - float32 on CPU with our kernels (`meta.cpu_kernels`) and every linear on `cpu_gemm=avx512`;
 - one rank (tensor parallelism all-reduces between the ops);
-- one attention kernel call for the whole step (`layers.attention.one_kernel_call`): decode-only
-  or prompt-only steps. Mixed steps take the modules.
+- attention through our paged kernel (`layers.attention.kernel_calls`).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import cpu_kernels
-from ..layers.attention import AttentionMetadata, one_kernel_call
+from ..layers.attention import AttentionMetadata, kernel_calls
 from ..layers.linear import BLOCKS_MAX_ROWS, PackedWeight
 
 
@@ -55,21 +54,21 @@ class DecoderStack:
         attn = first.self_attn
         return cls(layers, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.scale)
 
-    def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The attention's (tables, mask) if this step can take the stack, else None."""
+    def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> list | None:
+        """The step's attention kernel calls if it can take the stack, else None."""
         if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
             return None
-        return one_kernel_call(meta, hidden.shape[0])
+        return kernel_calls(meta, hidden.shape[0])
 
     def __call__(self, hidden: torch.Tensor, kv_caches, meta: AttentionMetadata,
-                 attention: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                 attention: list) -> torch.Tensor:
         """hidden: the step's embeddings (becomes the residual stream) -> the final residual stream."""
         if self._kv_caches is not kv_caches:
             self._kv_caches = kv_caches
             self._k_caches, self._v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
         weights, scales = self.blocks if hidden.shape[0] <= BLOCKS_MAX_ROWS else self.panels
-        tables, mask = attention
+        starts, ends, tables, masks = zip(*attention)
         return torch.ops.tritonllm.decoder_stack(
             hidden, self.norms, weights, scales, self.biases, self.out_features, self._k_caches, self._v_caches,
-            meta.rope_cos, meta.rope_sin, meta.slot_mapping, tables, mask, self.scale, self.eps,
-            self.num_heads, self.num_kv_heads)
+            meta.rope_cos, meta.rope_sin, meta.slot_mapping, list(starts), list(ends), list(tables), list(masks),
+            self.scale, self.eps, self.num_heads, self.num_kv_heads)
