@@ -20,6 +20,7 @@ from . import cpu_kernels
 from . import device as devices
 from .config import EngineConfig
 from .loader import load_hf_config, load_model
+from .penalties import LogitPenalties
 from .sampler import SamplingBatch, choose_tokens, unpack_tokens
 from .scheduler import ScheduledSeq
 from .step_inputs import MAX_DECODE_GROUPS, DeviceStep, HostStep, build_host_step, to_device
@@ -181,6 +182,8 @@ class ModelRunner:
             batch.top_k = torch.tensor([min(p.top_k, vocab) for p in ps], dtype=torch.int64, device=self.device)
             batch.top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=self.device)
             batch.generators = [self._generator(it) for it in sampled]
+        if any(it.seq.params.penalized for it in sampled):
+            batch.penalties = LogitPenalties.build(sampled, self.device)
         return batch
 
     def _generator(self, item: ScheduledSeq):
@@ -211,7 +214,7 @@ class ModelRunner:
             return [], []
         wants_logprob = [it.seq.params.logprobs for it in inputs.sampled]
         sampling = inputs.sampling
-        if (self.model.greedy_screen is not None and sampling.temperatures is None and sampling.banned_rows is None
+        if (self.model.greedy_screen is not None and sampling.plain_greedy
                 and not all(wants_logprob) and not self.model.exact_head_beats_screen(len(wants_logprob))):
             return self._greedy_tokens_screened(hidden[dev.logits_rows], wants_logprob)
         logits = self.model.compute_logits(hidden[dev.logits_rows])

@@ -101,7 +101,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
     for key in ("max_tokens", "min_tokens", "top_k", "seed", "priority"):
         if isinstance(sampling.get(key), str) and sampling[key].lstrip("-").isdigit():
             sampling[key] = int(sampling[key])
-    for key in ("temperature", "top_p"):
+    for key in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         if isinstance(sampling.get(key), str):
             try:
                 sampling[key] = float(sampling[key])

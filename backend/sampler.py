@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from . import cpu_kernels
+from .penalties import LogitPenalties
 
 
 @dataclass
@@ -25,6 +26,12 @@ class SamplingBatch:
     generators: list | None = None  # per row: torch.Generator or None
     banned_rows: torch.Tensor | None = None  # with banned_ids: (row, token) pairs to suppress (min_tokens)
     banned_ids: torch.Tensor | None = None
+    penalties: LogitPenalties | None = None  # repetition / presence / frequency penalties (penalties.py)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of its logits as they come: the fast greedy heads may run."""
+        return self.temperatures is None and self.banned_rows is None and self.penalties is None
 
 
 def choose_tokens(logits: torch.Tensor, batch: SamplingBatch, cpu_kernel: bool = False) -> torch.Tensor:
@@ -32,10 +39,12 @@ def choose_tokens(logits: torch.Tensor, batch: SamplingBatch, cpu_kernel: bool =
 
     `cpu_kernel`: an all-greedy float32 batch goes through our C++ greedy head (cpu_kernels.py).
     """
-    if cpu_kernel and batch.temperatures is None and batch.banned_rows is None and logits.dtype == torch.float32:
+    if cpu_kernel and batch.plain_greedy and logits.dtype == torch.float32:
         ids, chosen = cpu_kernels.greedy_head(logits)
         return torch.stack([ids.to(torch.int32), chosen.view(torch.int32)])
     logits = logits.float()
+    if batch.penalties is not None:
+        batch.penalties.apply(logits)
     if batch.banned_rows is not None:
         logits[batch.banned_rows, batch.banned_ids] = float("-inf")
     logprobs_all = None

@@ -19,6 +19,13 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy (the fused argmax head)
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    # Penalties on tokens already seen, as vLLM's: repetition_penalty (1 = off) divides a seen token's
+    # positive logit and multiplies a negative one (prompt and output tokens, as transformers'
+    # repetition_penalty); presence_penalty and frequency_penalty (0 = off) subtract from the logit
+    # of each output token once, and once per occurrence (OpenAI's definitions).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     priority: int = 0  # lower runs first under scheduling_policy=priority
     skip_special_tokens: bool = True
@@ -52,7 +59,8 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise InvalidRequestError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        for name, lo, hi in (("temperature", 0.0, 100.0), ("top_p", 1e-6, 1.0)):
+        for name, lo, hi in (("temperature", 0.0, 100.0), ("top_p", 1e-6, 1.0), ("repetition_penalty", 1e-6, 100.0),
+                             ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
                 raise InvalidRequestError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
@@ -62,6 +70,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":
@@ -73,8 +85,9 @@ class SamplingParams:
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
         values = dict(values)
-        if isinstance(values.get("temperature"), int) and not isinstance(values.get("temperature"), bool):
-            values["temperature"] = float(values["temperature"])
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if isinstance(values.get(name), int) and not isinstance(values.get(name), bool):
+                values[name] = float(values[name])
         try:
             return cls(**values)
         except TypeError as exc:  # pragma: no cover - defensive
