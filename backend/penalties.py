@@ -46,12 +46,14 @@ class LogitPenalties:
             return None
 
         def flat(parts: list[tuple[int, np.ndarray, object]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            rows = np.concatenate([np.full(len(ids), row, dtype=np.int64) for row, ids, _ in parts] or [np.zeros(0, np.int64)])
-            ids = np.concatenate([ids for _, ids, _ in parts] or [np.zeros(0, np.int64)])
-            values = np.concatenate([np.broadcast_to(np.float32(v), ids.shape) for _, ids, v in parts]
-                                    or [np.zeros(0, np.float32)]).astype(np.float32)
-            return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
-                         for a in (rows, ids, values))
+            """Per row (row, its tokens, one value or one per token) -> flat rows, tokens, values on the device."""
+            if not parts:
+                no_ids = torch.zeros(0, dtype=torch.int64, device=device)
+                return no_ids, no_ids, torch.zeros(0, dtype=torch.float32, device=device)
+            rows = np.concatenate([np.full(len(tokens), row, dtype=np.int64) for row, tokens, _ in parts])
+            tokens = np.concatenate([tokens for _, tokens, _ in parts])
+            values = np.concatenate([np.broadcast_to(np.float32(v), t.shape) for _, t, v in parts]).astype(np.float32)
+            return tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in (rows, tokens, values))
 
         return cls(*flat(repeat), *flat(output))
 
