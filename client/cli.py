@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap the prompt in the model's chat template (default on)")
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already in the prompt or output (default 1 = off)")
     g.add_argument("--priority", type=int, default=None)
 
     b = sub.add_parser("bench", help="replay a YAML scenario and report throughput and latency")
@@ -86,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_generate(args) -> int:
     params = GenerationParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
-                              stop=args.stop, temperature=args.temperature, priority=args.priority, chat=args.chat)
+                              stop=args.stop, temperature=args.temperature,
+                              repetition_penalty=args.repetition_penalty, priority=args.priority, chat=args.chat)
 
     def show(text: str) -> None:
         sys.stdout.write(text)

@@ -48,6 +48,7 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     temperature: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
     priority: Optional[int] = None
     chat: bool = True
     exclude_input_in_output: bool = True
@@ -63,6 +64,8 @@ class GenerationParams:
             sp["stop"] = list(self.stop)
         if self.stop_token_ids:
             sp["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
+        if self.repetition_penalty != 1.0:
+            sp["repetition_penalty"] = float(self.repetition_penalty)
         if self.priority is not None:
             sp["priority"] = int(self.priority)
         return json.dumps(sp)

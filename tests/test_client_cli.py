@@ -132,6 +132,18 @@ def test_generate_ignore_eos_gives_exact_token_count(triton_server):
 
 
 @pytest.mark.server
+def test_generate_repetition_penalty_gives_the_offline_engine_text(triton_server, engine):
+    from tritonllm.sampling_params import SamplingParams
+
+    proc = run_cli("generate", "Hi", "--url", triton_server.grpc_url, "--max-tokens", "16", "--ignore-eos",
+                   "--no-chat", "--repetition-penalty", "1.3")
+    assert proc.returncode == 0, proc.stderr
+    [ref] = engine.generate(["Hi"], SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.3))
+    [plain] = engine.generate(["Hi"], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert proc.stdout.rstrip("\n") == ref.text != plain.text
+
+
+@pytest.mark.server
 def test_generate_unknown_model_fails_with_one_clear_line(triton_server):
     proc = run_cli("generate", "Hello", "--url", triton_server.grpc_url, "--model", "no_such_model", timeout=60)
     assert proc.returncode == 1
