@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling_params import InvalidRequestError, SamplingParams
+from .sampling_params import FLOAT_PARAMETERS, InvalidRequestError, SamplingParams
 
 MAX_TEXT_BYTES = 1 << 20  # bounded request size: a prompt beyond 1 MiB is refused outright
 
@@ -101,7 +101,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
     for key in ("max_tokens", "min_tokens", "top_k", "seed", "priority"):
         if isinstance(sampling.get(key), str) and sampling[key].lstrip("-").isdigit():
             sampling[key] = int(sampling[key])
-    for key in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+    for key in FLOAT_PARAMETERS:
         if isinstance(sampling.get(key), str):
             try:
                 sampling[key] = float(sampling[key])

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 
+# The parameters that are numbers with a fraction: an integer given for one is taken as a float.
+FLOAT_PARAMETERS = ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 class InvalidRequestError(ValueError):
     """The caller sent something unusable; the message says what. Other requests are unaffected."""
 
@@ -85,7 +89,7 @@ class SamplingParams:
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
         values = dict(values)
-        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in FLOAT_PARAMETERS:
             if isinstance(values.get(name), int) and not isinstance(values.get(name), bool):
                 values[name] = float(values[name])
         try:
