@@ -5,23 +5,54 @@ table (list of block ids). Full blocks are identified by a hash chained over (pa
 block's tokens), so equal prefixes map to equal hashes. Blocks that no sequence uses go back to
 the free list but keep their hash: a later request with the same prefix reuses them, and they are
 overwritten least recently freed first, only when no truly empty block is left.
+
+A prefix rarely ends on a block boundary (a chat template's system prompt of 24 tokens fills one
+block of 16 and half of the next). Past the last whole cached block, a new sequence also takes the
+longest run of equal leading tokens from a cached block at the same place in the chain (same
+parent hash): it gets a fresh block, and the step that admits it first copies those tokens' K/V
+into it (`KVCopy`), so only the rest of the prompt is computed.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
+        self.parent_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
+
+
+class KVCopy(NamedTuple):
+    """Copy the K/V of the first `num_tokens` slots of block `src` into block `dst`, in every layer."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+@dataclass
+class PrefixMatch:
+    """What a waiting sequence can reuse: whole cached blocks, then the leading tokens of one more."""
+
+    blocks: list[int] = field(default_factory=list)
+    partial_block: int | None = None  # a cached block whose first `partial_tokens` tokens equal ours
+    partial_tokens: int = 0
+    block_size: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size + self.partial_tokens
 
 
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -42,6 +73,8 @@ class BlockManager:
         # Free blocks in eviction order: the front is reused first (least recently freed).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
+        # (parent hash, the first k < block_size tokens of a cached block) -> that block: partial matches.
+        self._by_leading_tokens: dict[tuple[int | None, tuple[int, ...]], int] = {}
         self._watermark_blocks = int(watermark * num_blocks)
         self._num_cached_free = 0  # free blocks that still hold a hashed prefix (kept incrementally)
         # Prefix-cache statistics, in tokens.
@@ -74,13 +107,13 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache -----------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the longest cached prefix of `seq` (never its last token)."""
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """The longest cached prefix of `seq`, whole blocks then part of one (never its last token)."""
+        match = PrefixMatch(block_size=self.block_size)
         if not self.enable_prefix_caching:
-            return []
+            return match
         bs = self.block_size
         tokens = seq.token_ids
-        matched: list[int] = []
         parent = None
         for i in range((len(tokens) - 1) // bs):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
@@ -88,32 +121,52 @@ class BlockManager:
             block_id = self._hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != block_tokens:
                 break
-            matched.append(block_id)
+            match.blocks.append(block_id)
             parent = h
-        return matched
+        start = len(match.blocks) * bs
+        limit = min(bs - 1, len(tokens) - 1 - start)
+        # Longer leading runs are looked up while shorter ones hit; a hit is confirmed token by token.
+        for k in range(1, limit + 1):
+            lead = tuple(tokens[start:start + k])
+            block_id = self._by_leading_tokens.get((parent, lead))
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.parent_hash != parent or block.token_ids[:k] != lead:
+                break
+            match.partial_block, match.partial_tokens = block_id, k
+        return match
 
     # ---- allocation -------------------------------------------------------------------------
-    def can_allocate(self, matched: list[int], num_tokens: int) -> bool:
-        """Whether a waiting sequence can get blocks for `num_tokens` tokens, reusing `matched`."""
-        revived = sum(1 for b in matched if self.blocks[b].ref_count == 0)
-        new = max(self.blocks_for(num_tokens) - len(matched), 0)
+    def can_allocate(self, match: PrefixMatch, num_tokens: int) -> bool:
+        """Whether a waiting sequence can get blocks for `num_tokens` tokens, reusing `match`."""
+        revived = sum(1 for b in match.blocks if self.blocks[b].ref_count == 0)
+        new = max(self.blocks_for(num_tokens) - len(match.blocks), 0)
         return revived + new <= self.num_free_blocks - self._watermark_blocks
 
-    def allocate(self, seq: Sequence, matched: list[int], num_tokens: int) -> None:
-        """Give a waiting sequence its block table: the matched prefix, then fresh blocks."""
+    def allocate(self, seq: Sequence, match: PrefixMatch, num_tokens: int) -> KVCopy | None:
+        """Give a waiting sequence its block table: the matched blocks, then fresh ones.
+
+        Returns the K/V copy that a partial match needs; the step that admits `seq` must run it
+        before its forward writes any K/V (the source block may be handed out again in the same
+        step, and is only read by the copy).
+        """
         assert not seq.block_table, f"{seq} already has blocks"
-        for block_id in matched:
+        for block_id in match.blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
                 self._num_cached_free -= 1
             block.ref_count += 1
             seq.block_table.append(block_id)
-        seq.num_computed_tokens = len(matched) * self.block_size
+        seq.num_computed_tokens = match.num_tokens
         seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
         self.prefix_query_tokens += seq.num_tokens
         self.prefix_hit_tokens += seq.num_computed_tokens
         self._grow(seq, num_tokens)
+        if not match.partial_tokens:
+            return None
+        return KVCopy(match.partial_block, seq.block_table[len(match.blocks)], match.partial_tokens)
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` can hold `num_tokens` tokens in total."""
@@ -131,10 +184,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None:  # evict its cached prefix
             self._num_cached_free -= 1
-            if self._hash_to_block.get(block.hash) == block_id:
-                del self._hash_to_block[block.hash]
-            block.hash = None
-            block.token_ids = None
+            self._forget(block)
         block.ref_count = 1
         return block_id
 
@@ -167,10 +217,8 @@ class BlockManager:
         if block.ref_count == 0:
             self._free[block_id] = None
             self._free.move_to_end(block_id, last=False)
-            if block.hash is not None and self._hash_to_block.get(block.hash) == block_id:
-                del self._hash_to_block[block.hash]
-            block.hash = None
-            block.token_ids = None
+            if block.hash is not None:
+                self._forget(block)
         seq.block_table[index] = -1
 
     def commit_full_blocks(self, seq: Sequence) -> None:
@@ -183,16 +231,28 @@ class BlockManager:
         tokens = seq.token_ids
         for i in range(len(hashes), full):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
-            h = chain_hash(hashes[-1] if hashes else None, block_tokens)
+            parent = hashes[-1] if hashes else None
+            h = chain_hash(parent, block_tokens)
             hashes.append(h)
             block_id = seq.block_table[i]
             if block_id < 0:
                 continue
             block = self.blocks[block_id]
             if block.hash is None:
-                block.hash = h
-                block.token_ids = block_tokens
-                self._hash_to_block.setdefault(h, block_id)
+                block.hash, block.parent_hash, block.token_ids = h, parent, block_tokens
+                if self._hash_to_block.setdefault(h, block_id) == block_id:
+                    for k in range(1, bs):  # the newest block with these leading tokens is the one found
+                        self._by_leading_tokens[(block.parent_hash, block_tokens[:k])] = block_id
+
+    def _forget(self, block: Block) -> None:
+        """Drop a block's cached prefix from the indexes (it is about to be overwritten or was pruned)."""
+        if self._hash_to_block.get(block.hash) == block.block_id:
+            del self._hash_to_block[block.hash]
+        for k in range(1, self.block_size):
+            key = (block.parent_hash, block.token_ids[:k])
+            if self._by_leading_tokens.get(key) == block.block_id:
+                del self._by_leading_tokens[key]
+        block.hash = block.parent_hash = block.token_ids = None
 
     def check_invariants(self) -> None:
         """For tests: every block is either free with ref 0 or used with ref > 0."""
@@ -201,4 +261,7 @@ class BlockManager:
             assert in_free == (block.ref_count == 0), f"block {block.block_id}: ref {block.ref_count}, free {in_free}"
         for h, block_id in self._hash_to_block.items():
             assert self.blocks[block_id].hash == h
+        for (parent, lead), block_id in self._by_leading_tokens.items():
+            block = self.blocks[block_id]
+            assert block.hash is not None and block.parent_hash == parent and block.token_ids[:len(lead)] == lead
         assert self._num_cached_free == sum(1 for b in self._free if self.blocks[b].hash is not None)

@@ -23,7 +23,7 @@ from .loader import load_hf_config, load_model
 from .penalties import LogitPenalties
 from .sampler import SamplingBatch, choose_tokens, unpack_tokens
 from .scheduler import ScheduledSeq
-from .step_inputs import MAX_DECODE_GROUPS, DeviceStep, HostStep, build_host_step, to_device
+from .step_inputs import MAX_DECODE_GROUPS, DeviceStep, HostStep, build_host_step, copy_kv_slots, to_device
 from .tensor_parallel import TPShard, check_shardable, rank_device
 from .tp_workers import TensorParallelError, TensorParallelWorkers, WorkerSpec, make_store, new_process_group
 
@@ -199,6 +199,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> tuple[list[int], list[float]]:
         dev = inputs.device
+        copy_kv_slots(self.kv_caches, dev.kv_copy)
         if self.workers is None:
             hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, dev.meta)
         else:

@@ -13,7 +13,7 @@ import bisect
 import time
 from dataclasses import dataclass
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, KVCopy
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -21,6 +21,7 @@ from .sequence import FinishReason, Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
+    kv_copy: KVCopy | None = None  # prefix K/V to copy into the sequence's block before the forward
 
     @property
     def samples(self) -> bool:
@@ -133,24 +134,25 @@ class Scheduler:
         now = time.time()
         while self.waiting and budget > 0 and not num_preempted and len(self.running) < self.max_num_seqs:
             _, seq = self.waiting[0]
-            matched = bm.match_prefix(seq)
-            num_cached = len(matched) * bm.block_size
+            match = bm.match_prefix(seq)
+            num_cached = match.num_tokens
             num_new = min(seq.num_tokens - num_cached, budget)
-            if not bm.can_allocate(matched, num_cached + num_new):
+            if not bm.can_allocate(match, num_cached + num_new):
                 if not self.running and not scheduled:
                     # Even an empty pool cannot take this chunk: shrink it to what fits.
-                    num_new = min(num_new, (bm.num_free_blocks - len(matched)) * bm.block_size)
-                    if num_new <= 0 or not bm.can_allocate(matched, num_cached + num_new):
+                    num_new = min(num_new, (bm.num_free_blocks - len(match.blocks)) * bm.block_size
+                                  - match.partial_tokens)
+                    if num_new <= 0 or not bm.can_allocate(match, num_cached + num_new):
                         break
                 else:
                     break
             self.waiting.pop(0)
-            bm.allocate(seq, matched, num_cached + num_new)
+            kv_copy = bm.allocate(seq, match, num_cached + num_new)
             seq.status = SequenceStatus.RUNNING
             if not seq.times.scheduled:
                 seq.times.scheduled = now
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled.append(ScheduledSeq(seq, num_new, kv_copy))
             budget -= num_new
 
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_preempted)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .layers.attention import AttentionGroup, AttentionMetadata
+from .block_manager import KVCopy
 from .scheduler import ScheduledSeq
 
 MAX_DECODE_GROUPS = 4
@@ -38,6 +39,9 @@ class HostStep:
     decode: list[HostGroup]
     prefill: HostGroup | None
     logits_rows: np.ndarray  # flat token rows whose next token is chosen this step
+    # Prefix K/V copied slot to slot (block * block_size + offset) before the forward; empty: none.
+    kv_copy_src: np.ndarray
+    kv_copy_dst: np.ndarray
 
 
 @dataclass
@@ -46,6 +50,7 @@ class DeviceStep:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor
+    kv_copy: tuple[torch.Tensor, torch.Tensor] | None  # (source slots, destination slots)
 
 
 def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
@@ -79,8 +84,17 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
         decode=[_group(part, offset, bs) for part, offset in split_by_length(decodes, bs, max_decode_groups)],
         prefill=_group(prefills, len(decodes), bs) if prefills else None,
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
+        **_kv_copy_slots([s.kv_copy for s in scheduled if s.kv_copy is not None], bs),
     )
     return host, sampled
+
+
+def _kv_copy_slots(copies: list[KVCopy], bs: int) -> dict[str, np.ndarray]:
+    src = [np.arange(c.num_tokens) + c.src * bs for c in copies]
+    dst = [np.arange(c.num_tokens) + c.dst * bs for c in copies]
+    empty = np.zeros(0, dtype=np.int64)
+    return {"kv_copy_src": np.concatenate(src).astype(np.int64) if copies else empty,
+            "kv_copy_dst": np.concatenate(dst).astype(np.int64) if copies else empty}
 
 
 def split_by_length(decodes: list[ScheduledSeq], block_size: int,
@@ -162,4 +176,20 @@ def to_device(host: HostStep, device: torch.device, use_cpu_kernels: bool = Fals
         prefill=group(host.prefill) if host.prefill is not None else None,
         cpu_kernels=use_cpu_kernels,
     )
-    return DeviceStep(to(host.input_ids), to(host.positions), meta, to(host.logits_rows))
+    kv_copy = (to(host.kv_copy_src), to(host.kv_copy_dst)) if len(host.kv_copy_src) else None
+    return DeviceStep(to(host.input_ids), to(host.positions), meta, to(host.logits_rows), kv_copy)
+
+
+def copy_kv_slots(kv_caches, kv_copy: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Run a step's prefix K/V copies in every layer's pool ([kv_heads, blocks, block_size, head_dim]).
+
+    All sources are read before any destination is written, so a block that is one copy's source
+    and, handed out again in the same step, another's destination still gives its old contents.
+    """
+    if kv_copy is None:
+        return
+    src, dst = kv_copy
+    for k, v in kv_caches:
+        for pool in (k, v):
+            flat = pool.view(pool.shape[0], -1, pool.shape[-1])
+            flat[:, dst] = flat[:, src]

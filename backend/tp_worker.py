@@ -21,7 +21,7 @@ from . import cpu_kernels
 from . import device as devices
 from .loader import load_model
 from .model_runner import allocate_kv_pool
-from .step_inputs import to_device
+from .step_inputs import copy_kv_slots, to_device
 from .tensor_parallel import TPShard
 from .tp_workers import WorkerSpec, make_store, new_process_group
 
@@ -55,6 +55,7 @@ def serve(conn: Connection) -> None:
             if kind == "stop":
                 break
             step = to_device(host, device, use_kernels)
+            copy_kv_slots(kv_caches, step.kv_copy)
             model(step.input_ids, step.positions, kv_caches, step.meta)
 
 

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from tritonllm.block_manager import PrefixMatch
 from tritonllm.config import EngineConfig
 from tritonllm.engine import Engine
 from tritonllm.sampling_params import SamplingParams
@@ -34,14 +35,14 @@ def perplexity(engine: Engine, ids: list[int]) -> tuple[float, int]:
     """Returns (perplexity, peak KV blocks held)."""
     bm, sched, runner = engine.block_manager, engine.scheduler, engine.runner
     seq = Sequence("ppl", ids[:1], SamplingParams(max_tokens=len(ids), ignore_eos=True))
-    bm.allocate(seq, [], 1)
+    bm.allocate(seq, PrefixMatch(), 1)
     nll, peak = 0.0, 0
     for i in range(len(ids) - 1):
         bm.append_slots(seq, i + 1)
         sched._prune_window(seq)
-        inputs = runner.prepare([ScheduledSeq(seq, 1)])
-        hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
-        logits = runner.model.compute_logits(hidden[inputs.logits_rows]).float()
+        step = runner.prepare([ScheduledSeq(seq, 1)]).device
+        hidden = runner.model(step.input_ids, step.positions, runner.kv_caches, step.meta)
+        logits = runner.model.compute_logits(hidden[step.logits_rows]).float()
         nll -= torch.log_softmax(logits, dim=-1)[0, ids[i + 1]].item()
         seq.num_computed_tokens += 1
         seq.token_ids.append(ids[i + 1])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tritonllm.block_manager import BlockManager, chain_hash
+from tritonllm.block_manager import BlockManager, KVCopy, PrefixMatch, chain_hash
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.sequence import Sequence
 
@@ -17,9 +17,9 @@ def seq(tokens, rid="r") -> Sequence:
 
 def admit(bm: BlockManager, s: Sequence) -> int:
     """Admit a whole prompt as the scheduler would; returns the number of cached tokens."""
-    matched = bm.match_prefix(s)
-    assert bm.can_allocate(matched, s.num_tokens)
-    bm.allocate(s, matched, s.num_tokens)
+    match = bm.match_prefix(s)
+    assert bm.can_allocate(match, s.num_tokens)
+    bm.allocate(s, match, s.num_tokens)
     cached = s.num_computed_tokens
     s.num_computed_tokens = s.num_tokens  # as if the step ran
     bm.commit_full_blocks(s)
@@ -52,11 +52,11 @@ def test_prefix_hit_reuses_full_blocks_but_never_the_last_prompt_token():
     assert admit(bm, first) == 0
     bm.free(first)
     same = seq(range(12), "b")
-    # 12 tokens: the last token's block is recomputed, so 2 blocks (8 tokens) are reused.
-    assert admit(bm, same) == 8
+    # 12 tokens: 2 whole blocks, then 3 of the third block's 4 tokens; the last one is computed.
+    assert admit(bm, same) == 11
     longer = seq(list(range(12)) + [99, 98], "c")
     assert admit(bm, longer) == 12
-    assert bm.prefix_hit_tokens == 20
+    assert bm.prefix_hit_tokens == 23
 
 
 def test_miss_on_different_tokens_and_on_hash_collision():
@@ -68,7 +68,7 @@ def test_miss_on_different_tokens_and_on_hash_collision():
     h = chain_hash(None, (0, 1, 2, 3))
     bid = bm._hash_to_block[h]
     bm.blocks[bid].token_ids = (9, 9, 9, 9)
-    assert bm.match_prefix(s) == []
+    assert bm.match_prefix(s).num_tokens == 0
 
 
 def test_two_running_requests_share_a_prefix_with_reference_counts():
@@ -97,10 +97,11 @@ def test_lru_eviction_order_and_no_eviction_of_blocks_in_use():
     # Needs 3 blocks: 2 plain free blocks go first, then the least recently freed cached block.
     user = seq(range(300, 309), "user")
     admit(bm, user)
-    assert bm.match_prefix(seq(range(200, 209))) != []  # the newer prefix survives
-    assert len(bm.match_prefix(seq(range(100, 109)))) == 1  # the older one lost its tail block first
+    assert len(bm.match_prefix(seq(range(200, 209))).blocks) == 2  # the newer prefix survives
+    older = bm.match_prefix(seq(range(100, 109)))  # the older one lost its tail block first
+    assert len(older.blocks) == 1 and older.num_tokens == 4
     held = seq(range(400, 405), "held")
-    assert bm.num_free_blocks == 3 and not bm.can_allocate([], 16)  # blocks in use are never taken
+    assert bm.num_free_blocks == 3 and not bm.can_allocate(PrefixMatch(), 16)  # blocks in use are never taken
     bm.free(user)
     bm.check_invariants()
 
@@ -127,3 +128,44 @@ def test_prefix_caching_off_caches_nothing():
 def test_zero_blocks_is_refused():
     with pytest.raises(ValueError):
         BlockManager(0, BS)
+
+
+def test_a_prefix_ending_inside_a_block_reuses_its_leading_tokens_through_a_copy():
+    bm = BlockManager(16, BS)
+    a = seq(range(10), "a")  # blocks (0-3) (4-7) committed; (8, 9) not full
+    admit(bm, a)
+    b = seq([0, 1, 2, 3, 4, 5, 99, 98, 97], "b")
+    match = bm.match_prefix(b)
+    assert match.blocks == a.block_table[:1] and match.partial_block == a.block_table[1]
+    assert match.partial_tokens == 2 and match.num_tokens == 6
+    kv_copy = bm.allocate(b, match, b.num_tokens)
+    # b's second block is its own (it will hold 99, 98 too); the copy fills its first two slots.
+    assert kv_copy == KVCopy(a.block_table[1], b.block_table[1], 2)
+    assert b.block_table[1] != a.block_table[1] and b.num_computed_tokens == 6
+    assert bm.blocks[a.block_table[1]].ref_count == 1  # the source is only read, not shared
+    bm.check_invariants()
+
+
+def test_a_partial_match_needs_the_same_parent_and_the_same_leading_tokens():
+    bm = BlockManager(16, BS)
+    admit(bm, seq(range(10), "a"))
+    # The same tokens as a's second block, but after another first block: a different place in the chain.
+    assert bm.match_prefix(seq([9, 9, 9, 9, 4, 5, 6, 50], "b")).num_tokens == 0
+    # The same first block, then a token that differs at once: nothing more than the whole block.
+    match = bm.match_prefix(seq([0, 1, 2, 3, 77, 5, 6, 50], "c"))
+    assert match.num_tokens == 4 and match.partial_block is None
+    # A prompt's first block can be a partial match too (parent: none).
+    match = bm.match_prefix(seq([0, 1, 2, 55, 56], "d"))
+    assert match.blocks == [] and match.partial_tokens == 3
+
+
+def test_an_evicted_block_is_no_longer_a_partial_match():
+    bm = BlockManager(4, BS, watermark=0.0)
+    a = seq(range(9), "a")
+    admit(bm, a)
+    bm.free(a)
+    assert bm.match_prefix(seq([0, 1, 2, 3, 4, 5, 60], "probe")).partial_tokens == 2
+    admit(bm, seq(range(100, 116), "b"))  # needs all 4 blocks: every cached prefix is overwritten
+    assert bm.match_prefix(seq([0, 1, 2, 3, 4, 5, 60], "probe")).num_tokens == 0
+    assert not bm._by_leading_tokens or all(bm.blocks[b].hash is not None for b in bm._by_leading_tokens.values())
+    bm.check_invariants()

@@ -120,6 +120,24 @@ def test_prefix_cache_hits_and_gives_identical_outputs(engine, model_dir):
     assert no_cache.block_manager.prefix_hit_tokens == 0
 
 
+def test_a_prefix_ending_inside_a_block_is_reused_and_outputs_match_transformers(engine, hf_model, tokenizer):
+    import torch
+
+    bs = engine.config.block_size
+    shared = tokenizer.encode("A test of prefixes that end inside a KV block. " + LONG_TEXT)[:2 * bs + bs // 2]
+    first = shared + tokenizer.encode(" The first question is longer than the others, so that the block it"
+                                      " shares with them is full and cached once it has run.")
+    assert len(first) > 3 * bs
+    engine.generate(prompt_token_ids=[first], params=SamplingParams(max_tokens=1))
+    # Admitted together, these can only reuse the first prompt's blocks: 2 whole, then half of one.
+    prompts = [shared + tokenizer.encode(f" Question {i}: what is {i} plus {i}?") for i in range(3)]
+    outs = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.num_cached_prompt_tokens for o in outs] == [len(shared)] * 3
+    for ids, out in zip(prompts, outs):
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert out.token_ids == ref[0, len(ids):].tolist()
+
+
 def test_tiny_pool_preempts_and_still_gives_identical_outputs(engine, model_dir):
     prompts = [p for p in CHAT_PROMPTS + PLAIN_PROMPTS if len(p) < 200]
     params = SamplingParams(max_tokens=64, ignore_eos=True)

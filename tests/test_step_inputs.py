@@ -1,14 +1,17 @@
-"""How the step's decodes are cut into attention groups by context length."""
+"""Step inputs: how the decodes are cut into attention groups by context length; prefix K/V copies."""
 
 from __future__ import annotations
 
 import itertools
 import random
 
+import torch
+
+from tritonllm.block_manager import KVCopy
 from tritonllm.sampling_params import SamplingParams
 from tritonllm.scheduler import ScheduledSeq
 from tritonllm.sequence import Sequence
-from tritonllm.step_inputs import GROUP_COST_BLOCKS, split_by_length
+from tritonllm.step_inputs import GROUP_COST_BLOCKS, build_host_step, copy_kv_slots, split_by_length, to_device
 
 
 def _decodes(lengths: list[int]) -> list[ScheduledSeq]:
@@ -46,3 +49,30 @@ def test_one_group_when_asked_or_when_lengths_are_alike():
     assert len(split_by_length(decodes, 16, 1)) == 1
     assert len(split_by_length(_decodes([100] * 64), 16, 4)) == 1
     assert split_by_length([], 16, 4) == []
+
+
+def test_prefix_kv_copies_read_every_source_before_writing():
+    bs = 4
+    pools = [(torch.randn(3, 6, bs, 8), torch.randn(3, 6, bs, 8)) for _ in range(2)]
+    before = [(k.clone(), v.clone()) for k, v in pools]
+    items = []
+    for i, (table, kv_copy) in enumerate([([0, 2], KVCopy(1, 2, 3)), ([5, 3], KVCopy(2, 3, 2))]):
+        seq = Sequence(f"r{i}", list(range(8)), SamplingParams())
+        seq.block_table, seq.num_computed_tokens = table, 4 + kv_copy.num_tokens
+        items.append(ScheduledSeq(seq, 8 - seq.num_computed_tokens, kv_copy))
+    host, _ = build_host_step(items, bs)
+    assert host.kv_copy_src.tolist() == [4, 5, 6, 8, 9] and host.kv_copy_dst.tolist() == [8, 9, 10, 12, 13]
+    copy_kv_slots(pools, to_device(host, torch.device("cpu")).kv_copy)
+    for (k, v), (k0, v0) in zip(pools, before):
+        for pool, old in ((k, k0), (v, v0)):
+            assert torch.equal(pool[:, 2, :3], old[:, 1, :3]) and torch.equal(pool[:, 2, 3], old[:, 2, 3])
+            assert torch.equal(pool[:, 3, :2], old[:, 2, :2])  # block 2's old tokens, not block 1's
+            assert torch.equal(pool[:, 3, 2:], old[:, 3, 2:]) and torch.equal(pool[:, [0, 1, 4, 5]], old[:, [0, 1, 4, 5]])
+
+
+def test_a_step_without_copies_has_none():
+    decodes = _decodes([5, 9])
+    for i, item in enumerate(decodes):
+        item.seq.block_table = [3 * i, 3 * i + 1, 3 * i + 2]
+    host, _ = build_host_step(decodes, 4)
+    assert len(host.kv_copy_src) == 0 and to_device(host, torch.device("cpu")).kv_copy is None

@@ -65,6 +65,18 @@ def test_two_ranks_give_the_same_greedy_ids_as_one(engine, tp_engine):
     assert not tp_engine.has_unfinished() and tp_engine.block_manager.num_used_blocks == 0
 
 
+def test_two_ranks_copy_a_partly_matched_prefix_block_on_every_rank(engine, tp_engine):
+    tok, bs = engine.tokenizer, engine.config.block_size
+    shared = tok.encode(" ".join(PLAIN_PROMPTS))[:bs + bs // 2]
+    first = shared + tok.encode(" " + PLAIN_PROMPTS[0])[:2 * bs]
+    tp_engine.generate(prompt_token_ids=[first], params={"max_tokens": 1})
+    prompts = [shared + tok.encode(f" Then tell me about the number {i}.") for i in range(3)]
+    got = tp_engine.generate(prompt_token_ids=prompts, params=GREEDY)
+    assert [o.num_cached_prompt_tokens for o in got] == [len(shared)] * 3  # one whole block and half of one
+    expected = [o.token_ids for o in engine.generate(prompt_token_ids=prompts, params=GREEDY)]
+    assert [o.token_ids for o in got] == expected
+
+
 def test_two_ranks_with_a_float16_kv_cache_give_the_same_greedy_ids_as_one(model_dir, capfd):
     # Each worker allocates its own pool: it must use the configured KV dtype too, not the model's
     # (short greedy outputs do not tell them apart, so the worker's own report is checked as well).
