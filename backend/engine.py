@@ -123,6 +123,8 @@ class Engine:
         vocab = self.runner.model.config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be below the vocabulary size {vocab}")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
                                       f"{self.max_model_len} (prompt plus at least one generated token)")

@@ -20,7 +20,7 @@ from . import cpu_kernels
 from . import device as devices
 from .config import EngineConfig
 from .loader import load_hf_config, load_model
-from .penalties import LogitPenalties
+from .logit_adjustments import LogitAdjustments
 from .sampler import SamplingBatch, choose_tokens, unpack_tokens
 from .scheduler import ScheduledSeq
 from .step_inputs import MAX_DECODE_GROUPS, DeviceStep, HostStep, build_host_step, copy_kv_slots, to_device
@@ -181,9 +181,10 @@ class ModelRunner:
             vocab = self.model.config.vocab_size  # a top_k beyond the vocabulary means no limit
             batch.top_k = torch.tensor([min(p.top_k, vocab) for p in ps], dtype=torch.int64, device=self.device)
             batch.top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=self.device)
+            batch.min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=self.device)
             batch.generators = [self._generator(it) for it in sampled]
-        if any(it.seq.params.penalized for it in sampled):
-            batch.penalties = LogitPenalties.build(sampled, self.device)
+        if any(it.seq.params.adjusts_logits for it in sampled):
+            batch.adjustments = LogitAdjustments.build(sampled, self.device)
         return batch
 
     def _generator(self, item: ScheduledSeq):

@@ -19,6 +19,8 @@ MAX_TEXT_BYTES = 1 << 20  # bounded request size: a prompt beyond 1 MiB is refus
 _FLAGS = ("stream", "exclude_input_in_output", "apply_chat_template", "return_finish_reason",
           "return_num_input_tokens", "return_num_output_tokens", "return_logprobs")
 _NON_SAMPLING_PARAMETERS = set(_FLAGS) | {"text_input", "input_ids", "sampling_parameters"}
+# Request parameters are scalars: these come as their JSON text, a list or an object.
+_JSON_TEXT_PARAMETERS = {"stop": "[", "logit_bias": "{"}
 
 
 @dataclass
@@ -80,7 +82,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
             if key in _FLAGS:
                 flags[key] = _bool(value, key)
             elif key not in _NON_SAMPLING_PARAMETERS:
-                if key == "stop" and isinstance(value, str) and value.startswith("["):
+                opener = _JSON_TEXT_PARAMETERS.get(key)
+                if opener and isinstance(value, str) and value.startswith(opener):
                     try:
                         value = json.loads(value)
                     except json.JSONDecodeError:

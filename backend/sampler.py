@@ -1,6 +1,6 @@
 """The fused head: LM head, token choice and its log-prob on the device; only [batch] values leave it.
 
-Greedy rows take the argmax; rows with temperature > 0 sample (top-k / top-p applied) with the
+Greedy rows take the argmax; rows with temperature > 0 sample (top-k / top-p / min-p applied) with the
 exponential-race trick, still on the device. The chosen ids and their log-probs travel to the host
 in one int32 [2, batch] tensor (the log-probs' float32 bits reinterpreted), i.e. one transfer.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import cpu_kernels
-from .penalties import LogitPenalties
+from .logit_adjustments import LogitAdjustments
 
 
 @dataclass
@@ -23,15 +23,16 @@ class SamplingBatch:
     temperatures: torch.Tensor | None = None  # [batch] float32; None: all greedy
     top_k: torch.Tensor | None = None  # [batch] int64 (0 = off)
     top_p: torch.Tensor | None = None  # [batch] float32 (1 = off)
+    min_p: torch.Tensor | None = None  # [batch] float32 (0 = off)
     generators: list | None = None  # per row: torch.Generator or None
     banned_rows: torch.Tensor | None = None  # with banned_ids: (row, token) pairs to suppress (min_tokens)
     banned_ids: torch.Tensor | None = None
-    penalties: LogitPenalties | None = None  # repetition / presence / frequency penalties (penalties.py)
+    adjustments: LogitAdjustments | None = None  # penalties and logit_bias (logit_adjustments.py)
 
     @property
     def plain_greedy(self) -> bool:
         """Every row takes the argmax of its logits as they come: the fast greedy heads may run."""
-        return self.temperatures is None and self.banned_rows is None and self.penalties is None
+        return self.temperatures is None and self.banned_rows is None and self.adjustments is None
 
 
 def choose_tokens(logits: torch.Tensor, batch: SamplingBatch, cpu_kernel: bool = False) -> torch.Tensor:
@@ -43,8 +44,8 @@ def choose_tokens(logits: torch.Tensor, batch: SamplingBatch, cpu_kernel: bool =
         ids, chosen = cpu_kernels.greedy_head(logits)
         return torch.stack([ids.to(torch.int32), chosen.view(torch.int32)])
     logits = logits.float()
-    if batch.penalties is not None:
-        batch.penalties.apply(logits)
+    if batch.adjustments is not None:
+        batch.adjustments.apply(logits)
     if batch.banned_rows is not None:
         logits[batch.banned_rows, batch.banned_ids] = float("-inf")
     logprobs_all = None
@@ -75,6 +76,10 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         drop_sorted = (cumulative - sorted_probs) > batch.top_p.unsqueeze(1)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
+    if batch.min_p is not None and bool((batch.min_p > 0).any()):
+        # After top-k and top-p, as transformers; relative to the most likely token, which survives them all.
+        floor = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
     noise = torch.empty_like(probs)
     for row, gen in enumerate(batch.generators or [None] * probs.shape[0]):
         noise[row].exponential_(generator=gen)

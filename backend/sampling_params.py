@@ -6,7 +6,8 @@ from dataclasses import dataclass, field, fields
 
 
 # The parameters that are numbers with a fraction: an integer given for one is taken as a float.
-FLOAT_PARAMETERS = ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+FLOAT_PARAMETERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it
 
 
 class InvalidRequestError(ValueError):
@@ -23,6 +24,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy (the fused argmax head)
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    min_p: float = 0.0  # sampling keeps tokens at least min_p x the most likely one's probability (0 = off)
     # Penalties on tokens already seen, as vLLM's: repetition_penalty (1 = off) divides a seen token's
     # positive logit and multiplies a negative one (prompt and output tokens, as transformers'
     # repetition_penalty); presence_penalty and frequency_penalty (0 = off) subtract from the logit
@@ -30,6 +32,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI's)
     seed: int | None = None
     priority: int = 0  # lower runs first under scheduling_policy=priority
     skip_special_tokens: bool = True
@@ -63,11 +66,19 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             raise InvalidRequestError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        for name, lo, hi in (("temperature", 0.0, 100.0), ("top_p", 1e-6, 1.0), ("repetition_penalty", 1e-6, 100.0),
+        for name, lo, hi in (("temperature", 0.0, 100.0), ("top_p", 1e-6, 1.0), ("min_p", 0.0, 1.0),
+                             ("repetition_penalty", 1e-6, 100.0),
                              ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
                 raise InvalidRequestError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
+        if not isinstance(self.logit_bias, dict) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0
+            and isinstance(v, (int, float)) and not isinstance(v, bool) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
+            for t, v in self.logit_bias.items()
+        ):
+            raise InvalidRequestError("logit_bias must map token ids (non-negative integers) to numbers in "
+                                      f"[{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {self.logit_bias!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
 
@@ -76,8 +87,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+    def adjusts_logits(self) -> bool:
+        """A penalty or a logit_bias changes some logits before the choice (logit_adjustments.py)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":
@@ -92,7 +105,17 @@ class SamplingParams:
         for name in FLOAT_PARAMETERS:
             if isinstance(values.get(name), int) and not isinstance(values.get(name), bool):
                 values[name] = float(values[name])
+        if isinstance(values.get("logit_bias"), dict):  # JSON object keys are strings: "1234" -> 1234
+            values["logit_bias"] = {_token_id(t): v for t, v in values["logit_bias"].items()}
         try:
             return cls(**values)
         except TypeError as exc:  # pragma: no cover - defensive
             raise InvalidRequestError(str(exc)) from None
+
+
+def _token_id(key) -> int:
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")

@@ -142,6 +142,20 @@ def test_http_generate_and_generate_stream(triton_server):
     assert "not valid JSON" in info.value.read().decode()
 
 
+def test_http_generate_takes_logit_bias_as_json_text(triton_server, model_dir):
+    from transformers import AutoTokenizer
+
+    paris = AutoTokenizer.from_pretrained(model_dir).encode(" Paris")
+    assert len(paris) == 1
+    base = f"http://{triton_server.http_url}/v2/models/smollm2"
+    body = {"text_input": "What is the capital of France?", "apply_chat_template": True,
+            "exclude_input_in_output": True, "max_tokens": 12}
+    # Request parameters are scalars, so the object comes as its JSON text.
+    banned = json.loads(_post(f"{base}/generate", {**body, "logit_bias": json.dumps({paris[0]: -100})}))
+    assert " Paris" in json.loads(_post(f"{base}/generate", body))["text_output"]
+    assert " Paris" not in banned["text_output"]
+
+
 def test_metrics_move_as_requests_flow(triton_server, stream):
     before = scrape(triton_server.metrics_url)
     stream.send("m", make_inputs("Hello", sampling={"max_tokens": 6, "ignore_eos": True}))

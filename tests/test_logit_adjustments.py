@@ -1,4 +1,4 @@
-"""Repetition, presence and frequency penalties: transformers' and vLLM's formulas, per row of a batch."""
+"""Logit adjustments and min-p: penalties (transformers' and vLLM's formulas) and logit_bias (OpenAI's), per row."""
 
 from __future__ import annotations
 
@@ -32,8 +32,10 @@ def test_repetition_penalty_matches_transformers_beside_unpenalized_rows(engine,
     assert plain != penalized  # the penalty changed something on these prompts
 
 
-def _reference_with_output_penalties(hf_model, ids: list[int], presence: float, frequency: float) -> list[int]:
-    """Greedy decoding on transformers' logits with OpenAI's presence / frequency penalties applied by hand."""
+def _reference(hf_model, ids: list[int], presence: float = 0.0, frequency: float = 0.0,
+               bias: dict[int, float] | None = None) -> list[int]:
+    """Greedy decoding on transformers' logits with OpenAI's presence / frequency penalties and
+    logit_bias applied by hand."""
     out: list[int] = []
     past, step_input = None, torch.tensor([ids])
     with torch.no_grad():
@@ -42,6 +44,8 @@ def _reference_with_output_penalties(hf_model, ids: list[int], presence: float, 
             past, logits = result.past_key_values, result.logits[0, -1].float().clone()
             for token in set(out):
                 logits[token] -= frequency * out.count(token) + presence
+            for token, value in (bias or {}).items():
+                logits[token] += value
             out.append(int(logits.argmax()))
             step_input = torch.tensor([[out[-1]]])
     return out
@@ -54,7 +58,7 @@ def test_presence_and_frequency_penalties_match_a_reference_on_transformers_logi
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency)
     outs = engine.generate(prompt_token_ids=prompts, params=params)
     for ids, out in zip(prompts, outs):
-        assert out.token_ids == _reference_with_output_penalties(hf_model, ids, presence, frequency)
+        assert out.token_ids == _reference(hf_model, ids, presence, frequency)
 
 
 def test_penalties_combine_with_sampling_and_log_probs(engine, tokenizer):
@@ -66,7 +70,53 @@ def test_penalties_combine_with_sampling_and_log_probs(engine, tokenizer):
     assert all(lp <= 0 for lp in a.logprobs)
 
 
+def test_logit_bias_matches_a_reference_on_transformers_logits_beside_an_unbiased_row(engine, hf_model, tokenizer):
+    ids = _ids(tokenizer)[0]
+    [plain] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    # Ban the greedy first token and nudge two others: the whole continuation changes.
+    bias = {plain.token_ids[0]: -100.0, plain.token_ids[1]: 2.5, tokenizer.encode(" the")[0]: -1.0}
+    biased, unbiased = engine.generate(prompt_token_ids=[ids, ids], params=[
+        SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logit_bias=bias),
+        SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)])
+    assert biased.token_ids == _reference(hf_model, ids, bias=bias)
+    assert biased.token_ids[0] != plain.token_ids[0] and unbiased.token_ids == plain.token_ids
+
+
+def test_a_large_logit_bias_forces_its_token_and_string_keys_are_token_ids(engine, tokenizer):
+    forced = tokenizer.encode(" banana")[0]
+    params = SamplingParams.from_dict({"max_tokens": 5, "ignore_eos": True, "logit_bias": {str(forced): 100}})
+    assert params.logit_bias == {forced: 100}
+    [out] = engine.generate(prompt_token_ids=_ids(tokenizer)[:1], params=params)
+    assert out.token_ids == [forced] * 5
+
+
+def test_min_p_keeps_tokens_near_the_most_likely_one(engine, tokenizer):
+    """min_p = 1 keeps only the most likely token: sampling then equals greedy; below 1, seeded runs repeat."""
+    prompts = _ids(tokenizer)
+    greedy = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    sampled = engine.generate(prompt_token_ids=prompts, params=SamplingParams(
+        max_tokens=MAX_NEW, ignore_eos=True, temperature=1.5, min_p=1.0, seed=1))
+    assert [o.token_ids for o in sampled] == [o.token_ids for o in greedy]
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, temperature=1.5, min_p=0.2, seed=7)
+    first, again = (engine.generate(prompt_token_ids=prompts[:1], params=params)[0].token_ids for _ in range(2))
+    loose = engine.generate(prompt_token_ids=prompts[:1], params=SamplingParams(
+        max_tokens=MAX_NEW, ignore_eos=True, temperature=1.5, seed=7))[0].token_ids
+    assert first == again and first != loose  # the same seed without min_p wanders elsewhere
+
+
+def test_logit_bias_token_beyond_the_vocabulary_is_refused(engine):
+    with pytest.raises(InvalidRequestError, match="logit_bias token ids must be below the vocabulary size"):
+        engine.add_request("Hi", {"logit_bias": {"10000000": 1.0}})
+
+
 @pytest.mark.parametrize("values, name", [
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "high"}}, "logit_bias"),
+    ({"logit_bias": [5, 1]}, "logit_bias"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": -1.2}, "repetition_penalty"),
     ({"repetition_penalty": "strong"}, "repetition_penalty"),
@@ -74,7 +124,7 @@ def test_penalties_combine_with_sampling_and_log_probs(engine, tokenizer):
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"frequency_penalty": True}, "frequency_penalty"),
 ])
-def test_out_of_range_penalties_are_refused_by_name(values, name):
+def test_out_of_range_values_are_refused_by_name(values, name):
     with pytest.raises(InvalidRequestError, match=name):
         SamplingParams.from_dict(values)
 
@@ -82,21 +132,27 @@ def test_out_of_range_penalties_are_refused_by_name(values, name):
 def test_integer_penalties_are_taken_as_numbers():
     params = SamplingParams.from_dict({"repetition_penalty": 2, "presence_penalty": 1, "frequency_penalty": -1})
     assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (2.0, 1.0, -1.0)
-    assert params.penalized and not SamplingParams().penalized
+    assert params.adjusts_logits and not SamplingParams().adjusts_logits
 
 
 @pytest.mark.server
-def test_penalties_through_triton_equal_the_offline_engine(triton_server, engine):
+def test_penalties_and_logit_bias_through_triton_equal_the_offline_engine(triton_server, engine):
     sampling = {"max_tokens": MAX_NEW, "ignore_eos": True, "repetition_penalty": 1.3, "presence_penalty": 0.5}
     prompts = [CHAT_PROMPTS[0], PLAIN_PROMPTS[0]]
+    [plain] = engine.generate([prompts[1]], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    # JSON object keys are strings: the greedy second token banned, another one favoured.
+    biased = {"max_tokens": MAX_NEW, "ignore_eos": True, "logit_bias": {str(plain.token_ids[1]): -100, "314": 1.5}}
     client = StreamClient(triton_server.grpc_url)
     for i, p in enumerate(prompts):
         client.send(f"p{i}", make_inputs(p, stream=True, sampling=sampling))
     client.send("plain", make_inputs(prompts[1], stream=True, sampling={"max_tokens": MAX_NEW, "ignore_eos": True}))
+    client.send("biased", make_inputs(prompts[1], stream=True, sampling=biased))
     got = client.wait(timeout=120)
     client.close()
     refs = engine.generate(prompts, SamplingParams(**sampling))
     for i, ref in enumerate(refs):
         assert got[f"p{i}"].error is None and got[f"p{i}"].ids == ref.token_ids
-    [plain] = engine.generate([prompts[1]], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert got["plain"].ids == plain.token_ids != got["p1"].ids
+    [ref] = engine.generate([prompts[1]], SamplingParams.from_dict(biased))
+    assert got["biased"].error is None and got["biased"].ids == ref.token_ids
+    assert ref.token_ids[0] == plain.token_ids[0] and ref.token_ids[1] != plain.token_ids[1]

@@ -1,0 +1,77 @@
+"""Changes to listed tokens' logits before the choice: penalties on seen tokens and the caller's logit_bias.
+
+The host lists, for each row that asks, the tokens concerned (the distinct tokens it has seen and
+how often, the ids in its logit_bias); one indexed write per kind then changes only those logits on
+the device, so a step pays for those tokens, not for rows x vocabulary. The penalty formulas are
+vLLM's (and for the repetition penalty transformers'): a seen token's logit l becomes l / p if
+l > 0 else l * p (prompt and output tokens), then l - frequency * count - presence for each token
+of the output. logit_bias is OpenAI's: the value is added to the token's logit, after the penalties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .scheduler import ScheduledSeq
+
+
+@dataclass
+class TokenValues:
+    """(row, token) pairs, distinct, and one float32 value each; flat tensors on the device."""
+
+    rows: torch.Tensor  # int64
+    ids: torch.Tensor  # int64
+    values: torch.Tensor  # float32
+
+    @classmethod
+    def gather(cls, parts: list[tuple[int, np.ndarray, object]], device: torch.device) -> TokenValues | None:
+        """Per row (row, its tokens, one value or one per token) -> flat tensors; None when empty."""
+        if not parts:
+            return None
+        rows = np.concatenate([np.full(len(tokens), row, dtype=np.int64) for row, tokens, _ in parts])
+        ids = np.concatenate([tokens for _, tokens, _ in parts])
+        values = np.concatenate([np.broadcast_to(np.float32(v), t.shape) for _, t, v in parts]).astype(np.float32)
+        return cls(*(torch.from_numpy(a).to(device, non_blocking=True) for a in (rows, ids, values)))
+
+
+@dataclass
+class LogitAdjustments:
+    """A step's penalties and biases; each kind None when no row has it."""
+
+    repeat: TokenValues | None  # every distinct prompt and output token, and that row's repetition_penalty
+    output: TokenValues | None  # every distinct output token: frequency_penalty * count + presence_penalty
+    bias: TokenValues | None  # the row's logit_bias
+
+    @classmethod
+    def build(cls, sampled: list[ScheduledSeq], device: torch.device) -> LogitAdjustments | None:
+        """The adjustments of a step's sampled rows (in logits-row order); None when no row has one."""
+        repeat, output, bias = [], [], []
+        for row, item in enumerate(sampled):
+            seq, p = item.seq, item.seq.params
+            if not p.adjusts_logits:
+                continue
+            if p.repetition_penalty != 1.0:
+                repeat.append((row, np.unique(np.asarray(seq.token_ids, dtype=np.int64)), p.repetition_penalty))
+            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+                ids, counts = np.unique(np.asarray(seq.output_token_ids, dtype=np.int64), return_counts=True)
+                output.append((row, ids, p.frequency_penalty * counts.astype(np.float32) + p.presence_penalty))
+            if p.logit_bias:
+                bias.append((row, np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias)),
+                             np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))))
+        if not repeat and not output and not bias:
+            return None
+        return cls(*(TokenValues.gather(parts, device) for parts in (repeat, output, bias)))
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place on float32 logits [rows, vocab]. Pairs are distinct per kind, so indexed writes are exact."""
+        if self.repeat is not None:
+            r = self.repeat
+            seen = logits[r.rows, r.ids]
+            logits[r.rows, r.ids] = torch.where(seen > 0, seen / r.values, seen * r.values)
+        if self.output is not None:
+            logits[self.output.rows, self.output.ids] -= self.output.values
+        if self.bias is not None:
+            logits[self.bias.rows, self.bias.ids] += self.bias.values
