@@ -218,8 +218,8 @@ class TritonPythonModel:
             tensors.append(pb_utils.Tensor("finish_reason", np.array([out.finish_reason.encode()], dtype=np.object_)))
         if p.return_num_input_tokens:
             tensors.append(pb_utils.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)))
-        if p.return_num_output_tokens:
-            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([out.num_output_tokens], dtype=np.uint32)))
+        if p.return_num_output_tokens:  # the tokens of this response, as the vLLM backend: a stream's sum is the total
+            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([len(ids)], dtype=np.uint32)))
         parameters = {}
         if out.finished:
             # Per-request timestamps (ns since the epoch) for clients and benchmarks.

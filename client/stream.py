@@ -81,7 +81,7 @@ class GenerationResult:
     log_probs: list[float] = field(default_factory=list)
     finish_reason: Optional[str] = None
     num_input_tokens: Optional[int] = None
-    reported_output_tokens: Optional[int] = None  # the server's `num_output_tokens`, if returned
+    reported_output_tokens: Optional[int] = None  # the sum of the responses' `num_output_tokens`, if returned
     num_responses: int = 0  # responses that carried new text or ids
     send_time: float = 0.0
     first_token_time: Optional[float] = None
@@ -330,12 +330,15 @@ class StreamingClient:
             res.text += text
             if on_text is not None:
                 on_text(text)
-        for name, attr in (("finish_reason", "finish_reason"), ("num_input_tokens", "num_input_tokens"),
-                           ("num_output_tokens", "reported_output_tokens")):
-            if name in names:
-                v = _scalar(result, name)
-                if v is not None:
-                    setattr(res, attr, v if isinstance(v, str) else int(v))
+        if "finish_reason" in names:
+            res.finish_reason = _scalar(result, "finish_reason")
+        if "num_input_tokens" in names:
+            v = _scalar(result, "num_input_tokens")
+            res.num_input_tokens = None if v is None else int(v)
+        if "num_output_tokens" in names:  # the tokens of this response: the request's count is their sum
+            v = _scalar(result, "num_output_tokens")
+            if v is not None:
+                res.reported_output_tokens = (res.reported_output_tokens or 0) + int(v)
         params = response.parameters
         final = params.get("triton_final_response")
         if len(params) > 1:

@@ -49,13 +49,19 @@ class Collected:
     num_responses: int = 0  # responses that carried outputs
     finish_reason: str | None = None
     num_input_tokens: int | None = None
-    num_output_tokens: int | None = None
+    output_token_counts: list[int] = field(default_factory=list)  # each response's num_output_tokens
+    response_id_counts: list[int] = field(default_factory=list)  # each response's number of output_ids
     error: str | None = None
     final: bool = False
 
     @property
     def text(self) -> str:
         return "".join(self.texts)
+
+    @property
+    def num_output_tokens(self) -> int | None:
+        """The request's output tokens: the sum of the responses' counts (None when not returned)."""
+        return sum(self.output_token_counts) if self.output_token_counts else None
 
 
 class StreamClient:
@@ -99,17 +105,21 @@ class StreamClient:
         if text is not None:
             c.num_responses += 1
             c.texts += [t.decode() for t in text.reshape(-1)]
-            c.ids += result.as_numpy("output_ids").tolist()
+            ids = result.as_numpy("output_ids").tolist()
+            c.ids += ids
+            c.response_id_counts.append(len(ids))
             lps = result.as_numpy("output_log_probs")
             if lps is not None:
                 c.logprobs += lps.tolist()
             reason = result.as_numpy("finish_reason")
             if reason is not None:
                 c.finish_reason = reason.reshape(-1)[0].decode()
-            for name in ("num_input_tokens", "num_output_tokens"):
-                value = result.as_numpy(name)
-                if value is not None:
-                    setattr(c, name, int(value.reshape(-1)[0]))
+            value = result.as_numpy("num_input_tokens")
+            if value is not None:
+                c.num_input_tokens = int(value.reshape(-1)[0])
+            value = result.as_numpy("num_output_tokens")
+            if value is not None:
+                c.output_token_counts.append(int(value.reshape(-1)[0]))
         if response.parameters["triton_final_response"].bool_param:
             c.final = True
 

@@ -103,10 +103,12 @@ class Probe:
             reason = result.as_numpy("finish_reason")
             if reason is not None:
                 self.finish_reason = reason.reshape(-1)[0].decode()
-            for name in ("num_input_tokens", "num_output_tokens"):
-                value = result.as_numpy(name)
-                if value is not None:
-                    setattr(self, name, int(value.reshape(-1)[0]))
+            value = result.as_numpy("num_input_tokens")
+            if value is not None:
+                self.num_input_tokens = int(value.reshape(-1)[0])
+            value = result.as_numpy("num_output_tokens")
+            if value is not None:  # this response's tokens: the request's count is their sum
+                self.num_output_tokens = (self.num_output_tokens or 0) + int(value.reshape(-1)[0])
         if result.get_response().parameters["triton_final_response"].bool_param:
             self.finals += 1
 

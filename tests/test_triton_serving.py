@@ -47,6 +47,8 @@ def test_stream_sends_partials_then_final_with_the_offline_engine_ids(stream, en
     assert got.text == ref.text
     assert got.finish_reason == ref.finish_reason
     assert got.num_output_tokens == len(ref.token_ids)
+    # num_output_tokens counts each response's own tokens (the vLLM backend's meaning), not a running total.
+    assert got.output_token_counts == got.response_id_counts and max(got.output_token_counts) < len(ref.token_ids)
     assert len(got.logprobs) == len(got.ids) and all(lp <= 0 for lp in got.logprobs)
 
 
