@@ -17,7 +17,7 @@ from .sampling_params import FLOAT_PARAMETERS, InvalidRequestError, SamplingPara
 MAX_TEXT_BYTES = 1 << 20  # bounded request size: a prompt beyond 1 MiB is refused outright
 
 _FLAGS = ("stream", "exclude_input_in_output", "apply_chat_template", "return_finish_reason",
-          "return_num_input_tokens", "return_num_output_tokens", "return_logprobs")
+          "return_num_input_tokens", "return_num_output_tokens", "return_logprobs", "return_cumulative_logprob")
 _NON_SAMPLING_PARAMETERS = set(_FLAGS) | {"text_input", "input_ids", "sampling_parameters"}
 # Request parameters are scalars: these come as their JSON text, a list or an object.
 _JSON_TEXT_PARAMETERS = {"stop": "[", "logit_bias": "{"}
@@ -35,6 +35,7 @@ class ParsedRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
 
 
 def _scalar(array: np.ndarray, name: str):
@@ -130,5 +131,5 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
         raise InvalidRequestError("the request has no text_input (and no input_ids)")
     # Log-probs are computed for the requests that return them: the others' greedy ids can come
     # from the cheaper screened head (layers/greedy_screen.py).
-    params.logprobs = flags.get("return_logprobs", False)
+    params.logprobs = flags.get("return_logprobs", False) or flags.get("return_cumulative_logprob", False)
     return ParsedRequest(prompt=prompt, prompt_token_ids=token_ids, params=params, **flags)

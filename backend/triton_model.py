@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -36,7 +37,7 @@ logger = logging.getLogger("tritonllm")
 
 _INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output",
                 "apply_chat_template", "return_finish_reason", "return_num_input_tokens",
-                "return_num_output_tokens", "return_logprobs")
+                "return_num_output_tokens", "return_logprobs", "return_cumulative_logprob")
 _CANCEL_CHECK_S = 0.2  # is_cancelled() is a round trip to the server: a step or so is soon enough
 _METRICS_REFRESH_S = 0.5
 _ERROR_KINDS = {"InvalidRequestError": "invalid_argument", "QueueFullError": "unavailable",
@@ -77,7 +78,7 @@ def _response_parameters_supported() -> bool:
 class _Active:
     """A request the response thread is serving."""
 
-    __slots__ = ("request_id", "sender", "parsed", "text", "ids", "logprobs")
+    __slots__ = ("request_id", "sender", "parsed", "text", "ids", "logprobs", "cumulative_logprob")
 
     def __init__(self, request_id: str, sender, parsed: ParsedRequest):
         self.request_id = request_id
@@ -86,6 +87,7 @@ class _Active:
         self.text: list[str] = []
         self.ids: list[int] = []
         self.logprobs: list[float] = []
+        self.cumulative_logprob = 0.0  # of every token so far (return_cumulative_logprob)
 
 
 class TritonPythonModel:
@@ -192,9 +194,12 @@ class TritonPythonModel:
             self._send_error(active.sender, out.error, _ERROR_KINDS.get(out.error_kind, "unavailable"))
             return
         p = active.parsed
+        if p.return_cumulative_logprob:
+            active.cumulative_logprob += math.fsum(out.new_logprobs)
         if p.stream:
             if out.new_token_ids or out.new_text or out.finished:
-                response = self._response(p, out.new_text, out.new_token_ids, out.new_logprobs, out)
+                response = self._response(p, out.new_text, out.new_token_ids, out.new_logprobs, out,
+                                          active.cumulative_logprob)
                 flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
                 active.sender.send(response, flags=flags)
         else:
@@ -202,18 +207,22 @@ class TritonPythonModel:
             active.ids += out.new_token_ids
             active.logprobs += out.new_logprobs
             if out.finished:
-                response = self._response(p, "".join(active.text), active.ids, active.logprobs, out)
+                response = self._response(p, "".join(active.text), active.ids, active.logprobs, out,
+                                          active.cumulative_logprob)
                 active.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if out.finished:
             self._active.pop(active.request_id, None)
 
-    def _response(self, p: ParsedRequest, text: str, ids: list[int], logprobs: list[float], out: RequestOutput):
+    def _response(self, p: ParsedRequest, text: str, ids: list[int], logprobs: list[float], out: RequestOutput,
+                  cumulative_logprob: float):
         tensors = [
             pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
             pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32)),
         ]
         if p.return_logprobs:
             tensors.append(pb_utils.Tensor("output_log_probs", np.asarray(logprobs, dtype=np.float32)))
+        if p.return_cumulative_logprob:  # the request's so far, as the vLLM backend's
+            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([cumulative_logprob], dtype=np.float32)))
         if p.return_finish_reason and out.finished:
             tensors.append(pb_utils.Tensor("finish_reason", np.array([out.finish_reason.encode()], dtype=np.object_)))
         if p.return_num_input_tokens:

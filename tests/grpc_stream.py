@@ -34,7 +34,8 @@ def make_inputs(text: str | None = None, stream: bool = True, sampling: dict | s
     if sampling is not None:
         raw = sampling if isinstance(sampling, str) else json.dumps(sampling)
         inputs.append(tensor("sampling_parameters", np.array([raw.encode()], dtype=np.object_), "BYTES"))
-    for name in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_logprobs"):
+    for name in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
+                 "return_cumulative_logprob"):
         inputs.append(tensor(name, np.array([True]), "BOOL"))
     for name, (array, dtype) in (extra or {}).items():
         inputs.append(tensor(name, array, dtype))
@@ -51,6 +52,7 @@ class Collected:
     num_input_tokens: int | None = None
     output_token_counts: list[int] = field(default_factory=list)  # each response's num_output_tokens
     response_id_counts: list[int] = field(default_factory=list)  # each response's number of output_ids
+    cumulative_logprobs: list[float] = field(default_factory=list)  # each response's cumulative_logprob
     error: str | None = None
     final: bool = False
 
@@ -120,6 +122,9 @@ class StreamClient:
             value = result.as_numpy("num_output_tokens")
             if value is not None:
                 c.output_token_counts.append(int(value.reshape(-1)[0]))
+            value = result.as_numpy("cumulative_logprob")
+            if value is not None:
+                c.cumulative_logprobs.append(float(value.reshape(-1)[0]))
         if response.parameters["triton_final_response"].bool_param:
             c.final = True
 

@@ -496,7 +496,7 @@ def test_prompt_and_output_lengths_at_and_past_max_model_len(tiny_kv_server):
 
 # ---- 5. fuzzed requests --------------------------------------------------------------------------
 _FLAGS = ("stream", "exclude_input_in_output", "apply_chat_template", "return_finish_reason",
-          "return_num_input_tokens", "return_num_output_tokens", "return_logprobs")
+          "return_num_input_tokens", "return_num_output_tokens", "return_logprobs", "return_cumulative_logprob")
 _NOT_A_COUNT = st.one_of(st.none(), st.booleans(), st.integers(max_value=0), st.floats(allow_nan=True),
                          st.text(alphabet=st.characters(blacklist_categories=("Nd", "Cs")), max_size=6),
                          st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import time
 import urllib.error
 import urllib.request
@@ -50,6 +52,9 @@ def test_stream_sends_partials_then_final_with_the_offline_engine_ids(stream, en
     # num_output_tokens counts each response's own tokens (the vLLM backend's meaning), not a running total.
     assert got.output_token_counts == got.response_id_counts and max(got.output_token_counts) < len(ref.token_ids)
     assert len(got.logprobs) == len(got.ids) and all(lp <= 0 for lp in got.logprobs)
+    # cumulative_logprob: the request's so far, in every response.
+    sums = [math.fsum(got.logprobs[:n]) for n in itertools.accumulate(got.response_id_counts)]
+    assert got.cumulative_logprobs == pytest.approx(sums, rel=1e-5, abs=1e-5) and len(sums) == got.num_responses
 
 
 def test_not_streaming_sends_exactly_one_response(stream):
@@ -60,6 +65,7 @@ def test_not_streaming_sends_exactly_one_response(stream):
     assert got["full"].num_responses == 1 and got["excl"].num_responses == 1
     assert got["full"].text == prompt + got["excl"].text  # vLLM-backend semantics
     assert got["excl"].num_output_tokens == 8 and got["excl"].finish_reason == "length"
+    assert got["excl"].cumulative_logprobs == pytest.approx([math.fsum(got["excl"].logprobs)], rel=1e-5)
 
 
 def test_sixteen_concurrent_streams_match_the_offline_engine(stream, engine):
