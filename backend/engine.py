@@ -185,23 +185,23 @@ class Engine:
         if out.is_empty:
             return []
         inputs = self.runner.prepare(out.scheduled)
-        token_ids, logprobs = self.runner.execute(inputs)
+        token_ids, logprobs, tops = self.runner.execute(inputs)
         self.scheduler.commit(out)
         self.num_steps += 1
         now = time.time()
         results = []
-        for item, token_id, logprob in zip(inputs.sampled, token_ids, logprobs):
-            result = self._apply_token(item.seq, token_id, logprob, now)
+        for item, token_id, logprob, top in zip(inputs.sampled, token_ids, logprobs, tops):
+            result = self._apply_token(item.seq, token_id, logprob, top, now)
             if result is not None:
                 results.append(result)
         return results
 
-    def _apply_token(self, seq: Sequence, token_id: int, logprob: float, now: float) -> RequestOutput | None:
+    def _apply_token(self, seq: Sequence, token_id: int, logprob: float, top, now: float) -> RequestOutput | None:
         if seq.is_finished:  # aborted while the step ran
             return None
         if not seq.times.first_token:
             seq.times.first_token = now
-        seq.append_token(token_id, logprob)
+        seq.append_token(token_id, logprob, top)
         state = self._streams[seq.request_id]
         p = seq.params
         reason = None
@@ -218,9 +218,10 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             return self._retire(seq, *self._new_tokens(seq, state), self._new_text(state, p.stop, final=True))
-        new_ids, new_lps = self._new_tokens(seq, state)
+        new_ids, new_lps, new_tops = self._new_tokens(seq, state)
         return RequestOutput(seq.request_id, new_ids, new_lps, self._new_text(state, p.stop, final=False), False, None,
-                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens)
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
+                             new_top_logprobs=new_tops)
 
     @staticmethod
     def _check_stop_strings(state: _StreamState, stops: list[str]) -> FinishReason | None:
@@ -233,10 +234,10 @@ class Engine:
         return FinishReason.STOP
 
     @staticmethod
-    def _new_tokens(seq: Sequence, state: _StreamState) -> tuple[list[int], list[float]]:
+    def _new_tokens(seq: Sequence, state: _StreamState) -> tuple[list[int], list[float], list]:
         start = state.num_emitted_tokens
         state.num_emitted_tokens = seq.num_output_tokens
-        return seq.output_token_ids[start:], seq.output_logprobs[start:]
+        return seq.output_token_ids[start:], seq.output_logprobs[start:], seq.output_top_logprobs[start:]
 
     @staticmethod
     def _new_text(state: _StreamState, stops: list[str], final: bool) -> str:
@@ -248,7 +249,8 @@ class Engine:
         state.num_emitted_chars = end
         return delta
 
-    def _retire(self, seq: Sequence, new_ids: list[int], new_lps: list[float], new_text: str) -> RequestOutput:
+    def _retire(self, seq: Sequence, new_ids: list[int], new_lps: list[float], new_tops: list,
+                new_text: str) -> RequestOutput:
         if logger.isEnabledFor(logging.DEBUG):
             t = seq.times
             logger.debug("request %s finished (%s): prompt=%d cached=%d output=%d preemptions=%d queue=%.3fs "
@@ -261,7 +263,7 @@ class Engine:
         del self._streams[seq.request_id]
         return RequestOutput(seq.request_id, new_ids, new_lps, new_text, True, seq.finish_reason.value,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
-                             seq.times.as_dict())
+                             seq.times.as_dict(), new_top_logprobs=new_tops)
 
     # ---- offline API -------------------------------------------------------------------------
     def generate(self, prompts: list[str] | str | None = None, params: SamplingParams | list | dict | None = None,
@@ -282,7 +284,7 @@ class Engine:
     def _collect(self, ids: list[str]) -> list[CompletionOutput]:
         prompts = {rid: list(self._seqs[rid].prompt_token_ids) for rid in ids}
         acc: dict[str, CompletionOutput] = {
-            rid: CompletionOutput(rid, prompts[rid], [], [], "", None) for rid in ids}
+            rid: CompletionOutput(rid, prompts[rid], [], [], "", None, top_logprobs=[]) for rid in ids}
         pending = set(ids)
         while pending:
             for out in self.step():
@@ -291,6 +293,7 @@ class Engine:
                     continue
                 c.token_ids += out.new_token_ids
                 c.logprobs += out.new_logprobs
+                c.top_logprobs += out.new_top_logprobs
                 c.text += out.new_text
                 if out.finished:
                     c.finish_reason = out.finish_reason

@@ -21,7 +21,7 @@ from . import device as devices
 from .config import EngineConfig
 from .loader import load_hf_config, load_model
 from .logit_adjustments import LogitAdjustments
-from .sampler import SamplingBatch, choose_tokens, unpack_tokens
+from .sampler import SamplingBatch, choose_tokens, ranking_logprobs, top_logprobs, unpack_tokens
 from .scheduler import ScheduledSeq
 from .step_inputs import MAX_DECODE_GROUPS, DeviceStep, HostStep, build_host_step, copy_kv_slots, to_device
 from .tensor_parallel import TPShard, check_shardable, rank_device
@@ -183,6 +183,10 @@ class ModelRunner:
             batch.top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=self.device)
             batch.min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=self.device)
             batch.generators = [self._generator(it) for it in sampled]
+        ranked = [(row, it.seq.params.top_logprobs) for row, it in enumerate(sampled)
+                  if it.seq.params.top_logprobs is not None]
+        if ranked:
+            batch.ranked_rows, batch.ranked_counts = [r for r, _ in ranked], [n for _, n in ranked]
         if any(it.seq.params.adjusts_logits for it in sampled):
             batch.adjustments = LogitAdjustments.build(sampled, self.device)
         return batch
@@ -198,7 +202,8 @@ class ModelRunner:
 
     # ---- execution ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> tuple[list[int], list[float]]:
+    def execute(self, inputs: StepInputs) -> tuple[list[int], list[float], list[list[tuple[int, float, int]] | None]]:
+        """Run the step; per sampled row its token id, log-prob (NaN if not asked) and top log-probs (None if not asked)."""
         dev = inputs.device
         copy_kv_slots(self.kv_caches, dev.kv_copy)
         if self.workers is None:
@@ -213,18 +218,24 @@ class ModelRunner:
                     raise TensorParallelError(self.failure) from exc
                 raise
         if not inputs.sampled:
-            return [], []
+            return [], [], []
         wants_logprob = [it.seq.params.logprobs for it in inputs.sampled]
         sampling = inputs.sampling
-        if (self.model.greedy_screen is not None and sampling.plain_greedy
+        top: list[list[tuple[int, float, int]] | None] = [None] * len(wants_logprob)
+        if (self.model.greedy_screen is not None and sampling.plain_greedy and sampling.ranked_rows is None
                 and not all(wants_logprob) and not self.model.exact_head_beats_screen(len(wants_logprob))):
-            return self._greedy_tokens_screened(hidden[dev.logits_rows], wants_logprob)
+            return (*self._greedy_tokens_screened(hidden[dev.logits_rows], wants_logprob), top)
         logits = self.model.compute_logits(hidden[dev.logits_rows])
+        # A step with a row that wants its top log-probs keeps them before the choice changes the logits.
+        ranking = ranking_logprobs(logits, sampling) if sampling.ranked_rows is not None else None
         packed = choose_tokens(logits, inputs.sampling, self.use_cpu_kernels)
         ids, logprobs = unpack_tokens(packed.cpu().numpy())  # the step's one device -> host transfer
         if not all(wants_logprob):  # NaN for who did not ask, on every path
             logprobs = [lp if wants else math.nan for lp, wants in zip(logprobs, wants_logprob)]
-        return ids, logprobs
+        if ranking is not None:
+            for row, entries in zip(sampling.ranked_rows, top_logprobs(ranking, sampling, ids)):
+                top[row] = entries
+        return ids, logprobs, top
 
     def _greedy_tokens_screened(self, rows: torch.Tensor, wants_logprob: list[bool]) -> tuple[list[int], list[float]]:
         """An all-greedy step on CPU: the rows that want no log-prob take the greedy screen

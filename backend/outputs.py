@@ -21,6 +21,9 @@ class RequestOutput:
     times: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when the request failed in the engine; the caller gets this message
     error_kind: str | None = None  # "InvalidRequestError", "QueueFullError" or "EngineDeadError"
+    # Per new token, when the request asked (top_logprobs): (token id, log-prob, rank) of the most
+    # likely tokens, then of the chosen one if it is not among them.
+    new_top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -35,3 +38,4 @@ class CompletionOutput:
     finish_reason: str | None
     num_cached_prompt_tokens: int = 0
     times: dict[str, float] = field(default_factory=dict)
+    top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)  # per token, if asked

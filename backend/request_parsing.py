@@ -132,4 +132,6 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
     # Log-probs are computed for the requests that return them: the others' greedy ids can come
     # from the cheaper screened head (layers/greedy_screen.py).
     params.logprobs = flags.get("return_logprobs", False) or flags.get("return_cumulative_logprob", False)
+    if not flags.get("return_logprobs", False):
+        params.top_logprobs = None  # returned with return_logprobs only: not worth computing otherwise
     return ParsedRequest(prompt=prompt, prompt_token_ids=token_ids, params=params, **flags)

@@ -28,6 +28,9 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None = None  # with banned_ids: (row, token) pairs to suppress (min_tokens)
     banned_ids: torch.Tensor | None = None
     adjustments: LogitAdjustments | None = None  # penalties and logit_bias (logit_adjustments.py)
+    # Rows that want their top log-probs (SamplingParams.top_logprobs), and how many each.
+    ranked_rows: list[int] | None = None
+    ranked_counts: list[int] | None = None
 
     @property
     def plain_greedy(self) -> bool:
@@ -44,10 +47,7 @@ def choose_tokens(logits: torch.Tensor, batch: SamplingBatch, cpu_kernel: bool =
         ids, chosen = cpu_kernels.greedy_head(logits)
         return torch.stack([ids.to(torch.int32), chosen.view(torch.int32)])
     logits = logits.float()
-    if batch.adjustments is not None:
-        batch.adjustments.apply(logits)
-    if batch.banned_rows is not None:
-        logits[batch.banned_rows, batch.banned_ids] = float("-inf")
+    _change_logits(logits, batch)
     logprobs_all = None
     max_logit, ids = logits.max(dim=-1)
     if batch.temperatures is not None:
@@ -59,6 +59,39 @@ def choose_tokens(logits: torch.Tensor, batch: SamplingBatch, cpu_kernel: bool =
         # In place: logits is this step's own tensor, and a fresh [batch, vocab] buffer costs page faults.
         chosen = logits.sub_(max_logit.unsqueeze(1)).exp_().sum(dim=-1).log_().neg_()
     return torch.stack([ids.to(torch.int32), chosen.contiguous().view(torch.int32)])
+
+
+def _change_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Penalties, logit_bias and bans, in place on float32 logits: what the choice sees."""
+    if batch.adjustments is not None:
+        batch.adjustments.apply(logits)
+    if batch.banned_rows is not None:
+        logits[batch.banned_rows, batch.banned_ids] = float("-inf")
+
+
+def ranking_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[ranked rows, vocab] log-probs of the logits as the choice sees them. Call it before
+    `choose_tokens`, which changes the logits in place."""
+    changed = logits.float().clone()
+    _change_logits(changed, batch)
+    return torch.log_softmax(changed[batch.ranked_rows], dim=-1)
+
+
+def top_logprobs(logprobs: torch.Tensor, batch: SamplingBatch, chosen_ids: list[int]) -> list[list[tuple[int, float, int]]]:
+    """Per ranked row: (token id, log-prob, rank) of its N most likely tokens, then of the chosen
+    token when it is not among them (its rank: 1 + the tokens more likely than it)."""
+    chosen = torch.tensor([chosen_ids[r] for r in batch.ranked_rows], device=logprobs.device)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
+    ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
+    k = max(batch.ranked_counts)
+    values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen.unsqueeze(1)[:, :0])
+    out = []
+    for i, n in enumerate(batch.ranked_counts):
+        entries = [(t, lp, r + 1) for r, (t, lp) in enumerate(zip(ids[i, :n].tolist(), values[i, :n].tolist()))]
+        if chosen_ids[batch.ranked_rows[i]] not in ids[i, :n].tolist():
+            entries.append((chosen_ids[batch.ranked_rows[i]], float(chosen_lp[i, 0]), ranks[i]))
+        out.append(entries)
+    return out
 
 
 def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

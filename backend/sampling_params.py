@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 # The parameters that are numbers with a fraction: an integer given for one is taken as a float.
 FLOAT_PARAMETERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it
 
 
@@ -37,6 +38,9 @@ class SamplingParams:
     priority: int = 0  # lower runs first under scheduling_policy=priority
     skip_special_tokens: bool = True
     logprobs: bool = True  # each chosen token's log-prob (False: NaN; greedy rows may then use the screened head)
+    # Also the log-probs of the N most likely tokens (and the chosen one's rank) at each output token:
+    # vLLM's `logprobs: N` in JSON. None: off.
+    top_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +59,10 @@ class SamplingParams:
         check_int("min_tokens", 0)
         check_int("top_k", 0)
         check_int("priority", -(2**31))
+        n = self.top_logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"logprobs (top_logprobs: how many top log-probs) must be an integer in "
+                                      f"[0, {MAX_TOP_LOGPROBS}], got {n!r}")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("ignore_eos", "skip_special_tokens", "logprobs"):
@@ -105,6 +113,8 @@ class SamplingParams:
         for name in FLOAT_PARAMETERS:
             if isinstance(values.get(name), int) and not isinstance(values.get(name), bool):
                 values[name] = float(values[name])
+        if isinstance(values.get("logprobs"), int) and not isinstance(values.get("logprobs"), bool):
+            values["top_logprobs"] = values.pop("logprobs")  # vLLM's `logprobs`: how many top log-probs
         if isinstance(values.get("logit_bias"), dict):  # JSON object keys are strings: "1234" -> 1234
             values["logit_bias"] = {_token_id(t): v for t, v in values["logit_bias"].items()}
         try:

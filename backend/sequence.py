@@ -49,6 +49,7 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt followed by output
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float, int]]] = []  # per output token, if asked
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -83,9 +84,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, logprob: float) -> None:
+    def append_token(self, token_id: int, logprob: float, top: list[tuple[int, float, int]] | None = None) -> None:
         self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
 
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED

@@ -78,7 +78,7 @@ def _response_parameters_supported() -> bool:
 class _Active:
     """A request the response thread is serving."""
 
-    __slots__ = ("request_id", "sender", "parsed", "text", "ids", "logprobs", "cumulative_logprob")
+    __slots__ = ("request_id", "sender", "parsed", "text", "ids", "logprobs", "top_logprobs", "cumulative_logprob")
 
     def __init__(self, request_id: str, sender, parsed: ParsedRequest):
         self.request_id = request_id
@@ -87,6 +87,7 @@ class _Active:
         self.text: list[str] = []
         self.ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list = []  # per token, when the request asked for them
         self.cumulative_logprob = 0.0  # of every token so far (return_cumulative_logprob)
 
 
@@ -198,29 +199,32 @@ class TritonPythonModel:
             active.cumulative_logprob += math.fsum(out.new_logprobs)
         if p.stream:
             if out.new_token_ids or out.new_text or out.finished:
-                response = self._response(p, out.new_text, out.new_token_ids, out.new_logprobs, out,
-                                          active.cumulative_logprob)
+                response = self._response(p, out.new_text, out.new_token_ids, out.new_logprobs,
+                                          out.new_top_logprobs, out, active.cumulative_logprob)
                 flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
                 active.sender.send(response, flags=flags)
         else:
             active.text.append(out.new_text)
             active.ids += out.new_token_ids
             active.logprobs += out.new_logprobs
+            active.top_logprobs += out.new_top_logprobs
             if out.finished:
-                response = self._response(p, "".join(active.text), active.ids, active.logprobs, out,
-                                          active.cumulative_logprob)
+                response = self._response(p, "".join(active.text), active.ids, active.logprobs,
+                                          active.top_logprobs, out, active.cumulative_logprob)
                 active.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if out.finished:
             self._active.pop(active.request_id, None)
 
-    def _response(self, p: ParsedRequest, text: str, ids: list[int], logprobs: list[float], out: RequestOutput,
-                  cumulative_logprob: float):
+    def _response(self, p: ParsedRequest, text: str, ids: list[int], logprobs: list[float], top_logprobs: list,
+                  out: RequestOutput, cumulative_logprob: float):
         tensors = [
             pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
             pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32)),
         ]
         if p.return_logprobs:
             tensors.append(pb_utils.Tensor("output_log_probs", np.asarray(logprobs, dtype=np.float32)))
+            if p.params.top_logprobs is not None:
+                tensors.append(pb_utils.Tensor("logprobs", np.array([self._logprobs_json(top_logprobs)], dtype=np.object_)))
         if p.return_cumulative_logprob:  # the request's so far, as the vLLM backend's
             tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([cumulative_logprob], dtype=np.float32)))
         if p.return_finish_reason and out.finished:
@@ -237,6 +241,12 @@ class TritonPythonModel:
         if parameters and _response_parameters_supported():
             return pb_utils.InferenceResponse(output_tensors=tensors, parameters=parameters)
         return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def _logprobs_json(self, top_logprobs: list) -> bytes:
+        """The vLLM backend's `logprobs`: per token {token id: {logprob, rank, decoded_token}}."""
+        decode = self.engine.tokenizer.decode
+        return json.dumps([{str(t): {"logprob": lp, "rank": rank, "decoded_token": decode([t])} for t, lp, rank in entries}
+                           for entries in top_logprobs]).encode("utf-8")
 
     def _check_cancelled(self) -> None:
         for request_id, active in list(self._active.items()):

@@ -53,6 +53,7 @@ class Collected:
     output_token_counts: list[int] = field(default_factory=list)  # each response's num_output_tokens
     response_id_counts: list[int] = field(default_factory=list)  # each response's number of output_ids
     cumulative_logprobs: list[float] = field(default_factory=list)  # each response's cumulative_logprob
+    top_logprobs: list[list[dict]] = field(default_factory=list)  # each response's `logprobs` JSON, parsed
     error: str | None = None
     final: bool = False
 
@@ -125,6 +126,9 @@ class StreamClient:
             value = result.as_numpy("cumulative_logprob")
             if value is not None:
                 c.cumulative_logprobs.append(float(value.reshape(-1)[0]))
+            value = result.as_numpy("logprobs")
+            if value is not None:
+                c.top_logprobs.append(json.loads(value.reshape(-1)[0]))
         if response.parameters["triton_final_response"].bool_param:
             c.final = True
 

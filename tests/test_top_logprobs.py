@@ -1,0 +1,93 @@
+"""Top log-probs per output token (vLLM's `logprobs: N`): against transformers' distribution, and through tritonserver."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpc_stream import StreamClient, make_inputs
+from prompts import PLAIN_PROMPTS
+from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+
+MAX_NEW = 12
+
+
+def _hf_logprobs(hf_model, ids: list[int], out: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at each output position: [len(out), vocab]."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_greedy_top_logprobs_equal_transformers_distribution(engine, hf_model, tokenizer):
+    prompts = [tokenizer.encode(p) for p in PLAIN_PROMPTS[:2]]
+    outs = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=MAX_NEW, top_logprobs=5))
+    for ids, out in zip(prompts, outs):
+        ref = _hf_logprobs(hf_model, ids, out.token_ids)
+        assert len(out.top_logprobs) == len(out.token_ids) == MAX_NEW
+        for pos, (token, entries) in enumerate(zip(out.token_ids, out.top_logprobs)):
+            values, top_ids = ref[pos].topk(5)
+            assert [t for t, _, _ in entries] == top_ids.tolist()
+            assert [lp for _, lp, _ in entries] == pytest.approx(values.tolist(), abs=1e-4)
+            assert [r for _, _, r in entries] == [1, 2, 3, 4, 5]
+            assert entries[0][0] == token and entries[0][1] == pytest.approx(out.logprobs[pos], abs=1e-6)
+
+
+def test_a_sampled_token_outside_the_top_n_comes_with_its_rank(engine, tokenizer):
+    ids = tokenizer.encode(PLAIN_PROMPTS[0])
+    [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(
+        max_tokens=24, temperature=1.5, seed=11, top_logprobs=1))
+    outside = 0
+    for token, lp, entries in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        assert entries[0][2] == 1 and entries[0][1] >= lp - 1e-6  # the most likely token first
+        if entries[0][0] == token:
+            assert len(entries) == 1
+        else:  # the chosen one appended, with its log-prob and a rank below the top
+            outside += 1
+            assert len(entries) == 2 and entries[1][0] == token and entries[1][1] == pytest.approx(lp, abs=1e-6)
+            assert entries[1][2] >= 2
+    assert outside  # at temperature 1.5 some tokens are not the most likely one
+
+
+def test_zero_top_logprobs_give_the_chosen_token_only(engine, tokenizer):
+    [out] = engine.generate(prompt_token_ids=[tokenizer.encode(PLAIN_PROMPTS[1])],
+                            params=SamplingParams(max_tokens=4, top_logprobs=0))
+    assert [[(t, r) for t, _, r in entries] for entries in out.top_logprobs] == [[(t, 1)] for t in out.token_ids]
+
+
+def test_top_logprobs_see_the_penalties_as_the_choice_does(engine, tokenizer):
+    ids = tokenizer.encode(PLAIN_PROMPTS[0])
+    [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(
+        max_tokens=MAX_NEW, top_logprobs=3, repetition_penalty=1.5, logit_bias={ids[-1]: -5.0}))
+    assert all(entries[0][0] == token for token, entries in zip(out.token_ids, out.top_logprobs))
+
+
+@pytest.mark.parametrize("value", [21, -1, 2.5, "many"])
+def test_a_bad_logprobs_count_is_refused(value):
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        SamplingParams.from_dict({"logprobs": value})
+
+
+def test_the_vllm_logprobs_count_maps_to_top_logprobs():
+    assert SamplingParams.from_dict({"logprobs": 4}).top_logprobs == 4
+    assert SamplingParams.from_dict({"logprobs": True}).top_logprobs is None
+
+
+@pytest.mark.server
+def test_top_logprobs_through_triton_as_the_vllm_backend(triton_server, engine):
+    prompt = PLAIN_PROMPTS[0]
+    client = StreamClient(triton_server.grpc_url)
+    client.send("top", make_inputs(prompt, stream=True, sampling={"max_tokens": MAX_NEW, "logprobs": 3}))
+    client.send("plain", make_inputs(prompt, stream=True, sampling={"max_tokens": MAX_NEW}))
+    got = client.wait(timeout=120)
+    client.close()
+    [ref] = engine.generate([prompt], SamplingParams(max_tokens=MAX_NEW, top_logprobs=3))
+    top = got["top"]
+    assert top.error is None and top.ids == ref.token_ids
+    assert [len(r) for r in top.top_logprobs] == top.response_id_counts  # one entry per token of each response
+    flat = [entry for response in top.top_logprobs for entry in response]
+    for entries, expected in zip(flat, ref.top_logprobs):
+        assert [(int(t), e["rank"]) for t, e in entries.items()] == [(t, r) for t, _, r in expected]
+        assert [e["logprob"] for e in entries.values()] == pytest.approx([lp for _, lp, _ in expected], abs=1e-5)
+    assert all(isinstance(e["decoded_token"], str) for entries in flat for e in entries.values())
+    assert got["plain"].top_logprobs == [] and got["plain"].ids == ref.token_ids
