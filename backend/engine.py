@@ -128,9 +128,19 @@ class Engine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
                                       f"{self.max_model_len} (prompt plus at least one generated token)")
+        if any(t >= vocab for t in params.allowed_token_ids):
+            raise InvalidRequestError(f"allowed_token_ids must be below the vocabulary size {vocab}")
         if request_id is None:
             request_id = uuid.uuid4().hex
-        return Sequence(request_id, prompt_token_ids, params, arrival_time)
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
+        seq.bad_word_ids = self._bad_word_ids(params.bad_words)
+        return seq
+
+    def _bad_word_ids(self, words: list[str]) -> list[tuple[int, ...]]:
+        """Each bad word as token ids, alone and after a space (as vLLM), without duplicates."""
+        variants = {tuple(self.tokenizer.encode(form, add_special_tokens=False))
+                    for word in words for form in (word.strip(), " " + word.strip())}
+        return sorted(v for v in variants if v)
 
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a validated sequence (call from the thread that runs `step`)."""
@@ -211,7 +221,7 @@ class Engine:
         if reason is None:
             state.text += state.detok.add(token_id)
             if p.stop and seq.num_output_tokens >= p.min_tokens:
-                reason = self._check_stop_strings(state, p.stop)
+                reason = self._check_stop_strings(state, p.stop, p.include_stop_str_in_output)
         if reason is None:
             if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
@@ -224,13 +234,14 @@ class Engine:
                              new_top_logprobs=new_tops)
 
     @staticmethod
-    def _check_stop_strings(state: _StreamState, stops: list[str]) -> FinishReason | None:
+    def _check_stop_strings(state: _StreamState, stops: list[str], include: bool) -> FinishReason | None:
         # Only the tail can contain a stop string that was not there before this token.
         start = max(0, len(state.text) - max(map(len, stops)) - 16)
-        found = [i for i in (state.text.find(s, start) for s in stops) if i >= 0]
+        found = [(i, k) for k, i in enumerate(state.text.find(s, start) for s in stops) if i >= 0]
         if not found:
             return None
-        state.text = state.text[:min(found)]
+        at, k = min(found)  # the earliest; at the same place, the first listed
+        state.text = state.text[:at + len(stops[k]) if include else at]
         return FinishReason.STOP
 
     @staticmethod

@@ -1,11 +1,15 @@
-"""Changes to listed tokens' logits before the choice: penalties on seen tokens and the caller's logit_bias.
+"""Changes to listed tokens' logits before the choice: penalties on seen tokens, the caller's
+logit_bias, bad words and allowed tokens.
 
 The host lists, for each row that asks, the tokens concerned (the distinct tokens it has seen and
-how often, the ids in its logit_bias); one indexed write per kind then changes only those logits on
-the device, so a step pays for those tokens, not for rows x vocabulary. The penalty formulas are
-vLLM's (and for the repetition penalty transformers'): a seen token's logit l becomes l / p if
-l > 0 else l * p (prompt and output tokens), then l - frequency * count - presence for each token
-of the output. logit_bias is OpenAI's: the value is added to the token's logit, after the penalties.
+how often, the ids in its logit_bias, the bad words' last tokens due now, the allowed ids); one
+indexed write per kind then changes only those logits on the device, so a step pays for those
+tokens, not for rows x vocabulary. The penalty formulas are vLLM's (and for the repetition penalty
+transformers'): a seen token's logit l becomes l / p if l > 0 else l * p (prompt and output
+tokens), then l - frequency * count - presence for each token of the output. logit_bias is
+OpenAI's: the value is added to the token's logit, after the penalties. A bad word's last token is
+banned where the output so far ends with the word's other tokens (vLLM's bad_words); with
+allowed_token_ids, every other token is.
 """
 
 from __future__ import annotations
@@ -44,11 +48,13 @@ class LogitAdjustments:
     repeat: TokenValues | None  # every distinct prompt and output token, and that row's repetition_penalty
     output: TokenValues | None  # every distinct output token: frequency_penalty * count + presence_penalty
     bias: TokenValues | None  # the row's logit_bias
+    banned: TokenValues | None  # bad words' last tokens that would complete them now (values unused)
+    allowed: TokenValues | None  # allowed_token_ids: every other token of the row is banned (values unused)
 
     @classmethod
     def build(cls, sampled: list[ScheduledSeq], device: torch.device) -> LogitAdjustments | None:
         """The adjustments of a step's sampled rows (in logits-row order); None when no row has one."""
-        repeat, output, bias = [], [], []
+        repeat, output, bias, banned, allowed = [], [], [], [], []
         for row, item in enumerate(sampled):
             seq, p = item.seq, item.seq.params
             if not p.adjusts_logits:
@@ -61,9 +67,17 @@ class LogitAdjustments:
             if p.logit_bias:
                 bias.append((row, np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias)),
                              np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))))
-        if not repeat and not output and not bias:
+            if seq.bad_word_ids:
+                out = seq.output_token_ids
+                due = {w[-1] for w in seq.bad_word_ids
+                       if len(w) == 1 or (len(out) >= len(w) - 1 and tuple(out[len(out) - len(w) + 1:]) == w[:-1])}
+                if due:
+                    banned.append((row, np.fromiter(sorted(due), dtype=np.int64, count=len(due)), 0.0))
+            if p.allowed_token_ids:
+                allowed.append((row, np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64)), 0.0))
+        if not (repeat or output or bias or banned or allowed):
             return None
-        return cls(*(TokenValues.gather(parts, device) for parts in (repeat, output, bias)))
+        return cls(*(TokenValues.gather(parts, device) for parts in (repeat, output, bias, banned, allowed)))
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place on float32 logits [rows, vocab]. Pairs are distinct per kind, so indexed writes are exact."""
@@ -75,3 +89,10 @@ class LogitAdjustments:
             logits[self.output.rows, self.output.ids] -= self.output.values
         if self.bias is not None:
             logits[self.bias.rows, self.bias.ids] += self.bias.values
+        if self.banned is not None:
+            logits[self.banned.rows, self.banned.ids] = float("-inf")
+        if self.allowed is not None:
+            rows = torch.unique(self.allowed.rows)
+            keep = torch.full((len(rows), logits.shape[1]), float("-inf"), device=logits.device)
+            keep[torch.searchsorted(rows, self.allowed.rows), self.allowed.ids] = 0.0
+            logits[rows] += keep

@@ -22,6 +22,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text (vLLM's)
     temperature: float = 0.0  # 0: greedy (the fused argmax head)
     top_k: int = 0  # 0: off
     top_p: float = 1.0
@@ -34,6 +35,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI's)
+    allowed_token_ids: list[int] = field(default_factory=list)  # when set, only these can be chosen (vLLM's)
+    bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's: a word's last token is
+    # banned where the output so far ends with the rest of it, the word with and without a leading space)
     seed: int | None = None
     priority: int = 0  # lower runs first under scheduling_policy=priority
     skip_special_tokens: bool = True
@@ -65,7 +69,7 @@ class SamplingParams:
                                       f"[0, {MAX_TOP_LOGPROBS}], got {n!r}")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        for name in ("ignore_eos", "skip_special_tokens", "logprobs"):
+        for name in ("ignore_eos", "skip_special_tokens", "logprobs", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
@@ -87,6 +91,14 @@ class SamplingParams:
         ):
             raise InvalidRequestError("logit_bias must map token ids (non-negative integers) to numbers in "
                                       f"[{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {self.logit_bias!r}")
+        if not isinstance(self.allowed_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids
+        ):
+            raise InvalidRequestError(f"allowed_token_ids must be a list of non-negative integers, got {self.allowed_token_ids!r}")
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise InvalidRequestError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
 
@@ -98,7 +110,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """A penalty or a logit_bias changes some logits before the choice (logit_adjustments.py)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.bad_words))
 
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":

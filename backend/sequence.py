@@ -63,6 +63,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of full blocks, for the prefix cache
         # Output bookkeeping for streaming: how much the caller has already received.
         self.num_emitted_tokens = 0
+        self.bad_word_ids: list[tuple[int, ...]] = []  # params.bad_words as token ids (set by the engine)
 
     @property
     def num_tokens(self) -> int:

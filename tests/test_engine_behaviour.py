@@ -45,6 +45,12 @@ def test_stop_string_returns_the_text_before_it(engine):
     assert out.finish_reason == "stop"
     assert out.text == ref.text[:ref.text.index(stop)]
     assert stop not in out.text
+    # vLLM's include_stop_str_in_output: the text up to the end of the stop string.
+    first = " " + words[6]
+    [kept] = greedy(engine, [PLAIN_PROMPTS[0]], max_tokens=30, ignore_eos=True, stop=[stop, first],
+                    include_stop_str_in_output=True)
+    end = min(ref.text.index(stop) + len(stop), ref.text.index(first) + len(first))
+    assert kept.finish_reason == "stop" and kept.text == ref.text[:end] and kept.text.endswith(stop)
 
 
 def test_streamed_text_pieces_join_to_the_full_text_and_never_split_characters(engine):

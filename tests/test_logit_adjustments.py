@@ -1,4 +1,5 @@
-"""Logit adjustments and min-p: penalties (transformers' and vLLM's formulas) and logit_bias (OpenAI's), per row."""
+"""Logit adjustments and min-p: penalties (transformers' and vLLM's formulas), logit_bias (OpenAI's),
+bad words and allowed tokens (vLLM's), per row."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import torch
 
 from grpc_stream import StreamClient, make_inputs
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
+from tritonllm.logit_adjustments import LogitAdjustments
 from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.scheduler import ScheduledSeq
+from tritonllm.sequence import Sequence
 
 MAX_NEW = 24
 
@@ -104,12 +108,51 @@ def test_min_p_keeps_tokens_near_the_most_likely_one(engine, tokenizer):
     assert first == again and first != loose  # the same seed without min_p wanders elsewhere
 
 
+def test_a_bad_words_last_token_is_banned_only_where_it_would_complete_the_word():
+    seq = Sequence("b", [1, 2], SamplingParams(bad_words=["x"]))
+    seq.bad_word_ids = [(5,), (7, 8), (1, 2, 3)]
+    for output, due in (([], {5}), ([9, 7], {5, 8}), ([1, 2], {5, 3}), ([7, 1], {5}), ([2], {5})):
+        seq.token_ids = [1, 2] + output
+        adjustments = LogitAdjustments.build([ScheduledSeq(seq, 1)], torch.device("cpu"))
+        assert set(adjustments.banned.ids.tolist()) == due, output
+
+
+def test_bad_words_are_never_generated(engine, tokenizer):
+    ids = _ids(tokenizer)[0]
+    [plain] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    words = [w for w in plain.text.split() if w.isalpha()][:3]
+    [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(
+        max_tokens=MAX_NEW, ignore_eos=True, bad_words=words))
+    variants = engine._bad_word_ids(words)
+    assert out.token_ids != plain.token_ids and len(variants) >= len(words)
+    for w in variants:
+        assert not any(tuple(out.token_ids[i:i + len(w)]) == w for i in range(len(out.token_ids))), w
+
+
+def test_allowed_token_ids_choose_the_best_allowed_token(engine, hf_model, tokenizer):
+    ids = _ids(tokenizer)[1]
+    allowed = sorted({tokenizer.encode(w)[0] for w in (" yes", " no", " maybe", ".")})
+    params = SamplingParams(max_tokens=6, ignore_eos=True, allowed_token_ids=allowed)
+    restricted, free = engine.generate(prompt_token_ids=[ids, ids], params=[params, SamplingParams(max_tokens=6)])
+    assert set(restricted.token_ids) <= set(allowed) and free.token_ids != restricted.token_ids
+    with torch.no_grad():
+        first = hf_model(torch.tensor([ids])).logits[0, -1]
+    assert restricted.token_ids[0] == allowed[int(first[allowed].argmax())]
+
+
 def test_logit_bias_token_beyond_the_vocabulary_is_refused(engine):
     with pytest.raises(InvalidRequestError, match="logit_bias token ids must be below the vocabulary size"):
         engine.add_request("Hi", {"logit_bias": {"10000000": 1.0}})
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids must be below the vocabulary size"):
+        engine.add_request("Hi", {"allowed_token_ids": [1, 10000000]})
 
 
 @pytest.mark.parametrize("values, name", [
+    ({"bad_words": [""]}, "bad_words"),
+    ({"bad_words": [3]}, "bad_words"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": "1,2"}, "allowed_token_ids"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ({"min_p": 1.5}, "min_p"),
     ({"min_p": -0.1}, "min_p"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
