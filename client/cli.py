@@ -41,6 +41,16 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _sampling_param(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return name.strip(), value  # a plain string (e.g. a stop word)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tritonllm-client", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -64,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="> 1 discourages tokens already in the prompt or output (default 1 = off)")
     g.add_argument("--priority", type=int, default=None)
+    g.add_argument("--param", action="append", type=_sampling_param, default=[], metavar="NAME=VALUE",
+                   help="any other sampling parameter, the value as JSON where it parses (repeatable): "
+                        "--param top_p=0.9 --param 'logit_bias={\"28\": -100}' --param seed=7")
 
     b = sub.add_parser("bench", help="replay a YAML scenario and report throughput and latency")
     b.add_argument("--scenario", required=True, help="scenario YAML (see loadtest/scenarios/)")
@@ -89,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args) -> int:
     params = GenerationParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
                               stop=args.stop, temperature=args.temperature,
-                              repetition_penalty=args.repetition_penalty, priority=args.priority, chat=args.chat)
+                              repetition_penalty=args.repetition_penalty, priority=args.priority, chat=args.chat,
+                              extra=dict(args.param))
 
     def show(text: str) -> None:
         sys.stdout.write(text)

@@ -53,6 +53,7 @@ class GenerationParams:
     chat: bool = True
     exclude_input_in_output: bool = True
     return_logprobs: bool = False
+    extra: dict = field(default_factory=dict)  # any other sampling parameter, by the server's name
 
     def sampling_json(self) -> str:
         sp: dict = {"max_tokens": int(self.max_tokens), "temperature": float(self.temperature)}
@@ -68,6 +69,7 @@ class GenerationParams:
             sp["repetition_penalty"] = float(self.repetition_penalty)
         if self.priority is not None:
             sp["priority"] = int(self.priority)
+        sp.update(self.extra)
         return json.dumps(sp)
 
 

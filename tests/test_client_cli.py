@@ -181,3 +181,18 @@ def test_bench_smoke_scenario(triton_server, tmp_path):
         assert 0 < st["min"] <= st["p50"] <= st["p90"] <= st["p99"] <= st["max"]
         assert st["mean"] > 0
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.server
+def test_generate_passes_any_sampling_parameter_as_json(triton_server, engine):
+    from tritonllm.sampling_params import SamplingParams
+
+    [plain] = engine.generate(["Hi"], SamplingParams(max_tokens=8, ignore_eos=True))
+    banned = plain.token_ids[0]
+    proc = run_cli("generate", "Hi", "--url", triton_server.grpc_url, "--max-tokens", "8", "--ignore-eos", "--no-chat",
+                   "--param", f'logit_bias={{"{banned}": -100}}', "--param", "min_p=0.5")
+    assert proc.returncode == 0, proc.stderr
+    [ref] = engine.generate(["Hi"], SamplingParams(max_tokens=8, ignore_eos=True, logit_bias={banned: -100.0}))
+    assert proc.stdout.rstrip("\n") == ref.text != plain.text
+    bad = run_cli("generate", "Hi", "--url", triton_server.grpc_url, "--param", "no_such_knob=1", timeout=60)
+    assert bad.returncode == 1 and "no_such_knob" in bad.stderr and "Traceback" not in bad.stderr
