@@ -91,3 +91,19 @@ def test_top_logprobs_through_triton_as_the_vllm_backend(triton_server, engine):
         assert [e["logprob"] for e in entries.values()] == pytest.approx([lp for _, lp, _ in expected], abs=1e-5)
     assert all(isinstance(e["decoded_token"], str) for entries in flat for e in entries.values())
     assert got["plain"].top_logprobs == [] and got["plain"].ids == ref.token_ids
+
+
+def test_a_request_asks_for_top_logprobs_with_return_logprobs_only():
+    import json
+
+    import numpy as np
+
+    from tritonllm.request_parsing import parse_request
+
+    def parse(flag: bool, count):
+        inputs = {"text_input": np.array([b"Hi"], dtype=np.object_), "return_logprobs": np.array([flag]),
+                  "sampling_parameters": np.array([json.dumps({"logprobs": count}).encode()], dtype=np.object_)}
+        return parse_request(inputs, None).params
+
+    assert parse(True, 3).top_logprobs == 3 and parse(True, "3").top_logprobs == 3  # numbers as strings too
+    assert parse(False, 3).top_logprobs is None  # not returned, so not computed
