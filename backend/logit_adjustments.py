@@ -43,7 +43,7 @@ class TokenValues:
 
 @dataclass
 class LogitAdjustments:
-    """A step's penalties and biases; each kind None when no row has it."""
+    """A step's penalties, biases, bans and allowed tokens; each kind None when no row has it."""
 
     repeat: TokenValues | None  # every distinct prompt and output token, and that row's repetition_penalty
     output: TokenValues | None  # every distinct output token: frequency_penalty * count + presence_penalty

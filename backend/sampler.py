@@ -27,7 +27,7 @@ class SamplingBatch:
     generators: list | None = None  # per row: torch.Generator or None
     banned_rows: torch.Tensor | None = None  # with banned_ids: (row, token) pairs to suppress (min_tokens)
     banned_ids: torch.Tensor | None = None
-    adjustments: LogitAdjustments | None = None  # penalties and logit_bias (logit_adjustments.py)
+    adjustments: LogitAdjustments | None = None  # penalties, logit_bias, bad words, allowed tokens (logit_adjustments.py)
     # Rows that want their top log-probs (SamplingParams.top_logprobs), and how many each.
     ranked_rows: list[int] | None = None
     ranked_counts: list[int] | None = None
@@ -62,7 +62,7 @@ def choose_tokens(logits: torch.Tensor, batch: SamplingBatch, cpu_kernel: bool =
 
 
 def _change_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """Penalties, logit_bias and bans, in place on float32 logits: what the choice sees."""
+    """Logit adjustments and min_tokens bans, in place on float32 logits: what the choice sees."""
     if batch.adjustments is not None:
         batch.adjustments.apply(logits)
     if batch.banned_rows is not None:
@@ -86,10 +86,11 @@ def top_logprobs(logprobs: torch.Tensor, batch: SamplingBatch, chosen_ids: list[
     k = max(batch.ranked_counts)
     values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen.unsqueeze(1)[:, :0])
     out = []
-    for i, n in enumerate(batch.ranked_counts):
-        entries = [(t, lp, r + 1) for r, (t, lp) in enumerate(zip(ids[i, :n].tolist(), values[i, :n].tolist()))]
-        if chosen_ids[batch.ranked_rows[i]] not in ids[i, :n].tolist():
-            entries.append((chosen_ids[batch.ranked_rows[i]], float(chosen_lp[i, 0]), ranks[i]))
+    for i, (row, n) in enumerate(zip(batch.ranked_rows, batch.ranked_counts)):
+        top_ids = ids[i, :n].tolist()
+        entries = [(t, lp, r + 1) for r, (t, lp) in enumerate(zip(top_ids, values[i, :n].tolist()))]
+        if chosen_ids[row] not in top_ids:
+            entries.append((chosen_ids[row], float(chosen_lp[i, 0]), ranks[i]))
         out.append(entries)
     return out
 
