@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -120,6 +120,9 @@ class Engine:
                 raise InvalidRequestError(f"input_ids must be integers in [0, {vocab})")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty (no tokens)")
+        if params.truncate_prompt_tokens is not None:  # the prompt's end is kept, as vLLM does
+            keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            prompt_token_ids = prompt_token_ids[-keep:]
         vocab = self.runner.model.config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}")
@@ -135,6 +138,30 @@ class Engine:
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
         seq.bad_word_ids = self._bad_word_ids(params.bad_words)
         return seq
+
+    def make_sequences(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
+                       request_id: str | None = None, **kwargs) -> list[Sequence]:
+        """`make_sequence` for each of the request's n completions (ids "<request_id>/<index>" when n > 1).
+
+        The prompt is tokenized once. Completions after the first wait for its prompt to be in the
+        KV cache and take those blocks from the prefix cache; with a seed, completion i samples with
+        seed + i so that the completions differ.
+        """
+        first = self.make_sequence(prompt, params, request_id=request_id, **kwargs)
+        n = first.params.n
+        if n == 1:
+            return [first]
+        base_id = first.request_id
+        first.request_id = f"{base_id}/0"
+        share_prompt = self.config.enable_prefix_caching and first.num_prompt_tokens > self.config.block_size
+        seqs = [first]
+        for index in range(1, n):
+            params_i = first.params if first.params.seed is None else replace(first.params, seed=first.params.seed + index)
+            seq = Sequence(f"{base_id}/{index}", first.prompt_token_ids, params_i, first.times.arrival, index=index)
+            seq.bad_word_ids = first.bad_word_ids
+            seq.prefill_after = first if share_prompt else None
+            seqs.append(seq)
+        return seqs
 
     def _bad_word_ids(self, words: list[str]) -> list[tuple[int, ...]]:
         """Each bad word as token ids, alone and after a space (as vLLM), without duplicates."""
@@ -154,18 +181,29 @@ class Engine:
         self.scheduler.add(seq)
 
     def add_request(self, prompt: str | None = None, params: SamplingParams | dict | None = None, **kwargs) -> str:
-        """Validate, tokenize and queue a request; returns its id. Raises InvalidRequestError on bad input."""
-        seq = self.make_sequence(prompt, params, **kwargs)
-        self.add_sequence(seq)
-        return seq.request_id
+        """Validate, tokenize and queue a request; returns its id (with n > 1 its completions' sequences
+        are "<id>/0" ... "<id>/<n-1>"). Raises InvalidRequestError on bad input."""
+        seqs = self._add(prompt, params, **kwargs)
+        return seqs[0].request_id if len(seqs) == 1 else seqs[0].request_id.rpartition("/")[0]
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; its blocks are free before the next step. None if it is not here."""
-        seq = self._seqs.get(request_id)
-        if seq is None or not self.scheduler.abort(seq):
-            return None
-        state = self._streams[request_id]
-        return self._retire(seq, *self._new_tokens(seq, state), self._new_text(state, seq.params.stop, final=True))
+    def _add(self, prompt, params, **kwargs) -> list[Sequence]:
+        seqs = self.make_sequences(prompt, params, **kwargs)
+        for seq in seqs:
+            self.add_sequence(seq)
+        return seqs
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request now (every completion of it: a sequence id or the request's id); its blocks
+        are free before the next step. The final outputs of what was stopped; empty if nothing was here."""
+        seqs = [self._seqs[request_id]] if request_id in self._seqs else [
+            seq for seq in self._seqs.values() if seq.params.n > 1 and seq.request_id.rpartition("/")[0] == request_id]
+        outputs = []
+        for seq in seqs:
+            if self.scheduler.abort(seq):
+                state = self._streams[seq.request_id]
+                outputs.append(self._retire(seq, *self._new_tokens(seq, state),
+                                            self._new_text(state, seq.params.stop, final=True)))
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -231,7 +269,7 @@ class Engine:
         new_ids, new_lps, new_tops = self._new_tokens(seq, state)
         return RequestOutput(seq.request_id, new_ids, new_lps, self._new_text(state, p.stop, final=False), False, None,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
-                             new_top_logprobs=new_tops)
+                             new_top_logprobs=new_tops, index=seq.index)
 
     @staticmethod
     def _check_stop_strings(state: _StreamState, stops: list[str], include: bool) -> FinishReason | None:
@@ -274,12 +312,13 @@ class Engine:
         del self._streams[seq.request_id]
         return RequestOutput(seq.request_id, new_ids, new_lps, new_text, True, seq.finish_reason.value,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
-                             seq.times.as_dict(), new_top_logprobs=new_tops)
+                             seq.times.as_dict(), new_top_logprobs=new_tops, index=seq.index)
 
     # ---- offline API -------------------------------------------------------------------------
     def generate(self, prompts: list[str] | str | None = None, params: SamplingParams | list | dict | None = None,
                  prompt_token_ids: list[list[int]] | None = None, apply_chat_template: bool = False) -> list[CompletionOutput]:
-        """Run prompts to completion, all continuously batched together; results in input order."""
+        """Run prompts to completion, all continuously batched together; results in input order
+        (with n > 1, a prompt's n completions one after another)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         inputs = prompt_token_ids if prompt_token_ids is not None else prompts
@@ -288,14 +327,16 @@ class Engine:
         ids = []
         for i in range(n):
             kwargs = {"prompt_token_ids": inputs[i]} if prompt_token_ids is not None else {}
-            ids.append(self.add_request(None if prompt_token_ids is not None else inputs[i], params_list[i],
-                                        apply_chat_template=apply_chat_template, **kwargs))
+            ids.extend(seq.request_id for seq in self._add(None if prompt_token_ids is not None else inputs[i],
+                                                           params_list[i], apply_chat_template=apply_chat_template,
+                                                           **kwargs))
         return self._collect(ids)
 
     def _collect(self, ids: list[str]) -> list[CompletionOutput]:
         prompts = {rid: list(self._seqs[rid].prompt_token_ids) for rid in ids}
         acc: dict[str, CompletionOutput] = {
-            rid: CompletionOutput(rid, prompts[rid], [], [], "", None, top_logprobs=[]) for rid in ids}
+            rid: CompletionOutput(rid, prompts[rid], [], [], "", None, top_logprobs=[], index=self._seqs[rid].index)
+            for rid in ids}
         pending = set(ids)
         while pending:
             for out in self.step():
@@ -314,14 +355,15 @@ class Engine:
         return [acc[rid] for rid in ids]
 
     def stream(self, prompt: str, params: SamplingParams | dict | None = None, **kwargs) -> Iterator[RequestOutput]:
-        """Yield one request's outputs step by step (other queued requests run alongside)."""
-        rid = self.add_request(prompt, params, **kwargs)
-        while True:
+        """Yield one request's outputs step by step (other queued requests run alongside); with
+        n > 1, every completion's, told apart by `index`."""
+        pending = {seq.request_id for seq in self._add(prompt, params, **kwargs)}
+        while pending:
             for out in self.step():
-                if out.request_id == rid:
+                if out.request_id in pending:
                     yield out
                     if out.finished:
-                        return
+                        pending.discard(out.request_id)
 
 
 class QueueFullError(RuntimeError):

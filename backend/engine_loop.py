@@ -38,8 +38,12 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine | None = None, idle_wait_s: float = 0.05, *,
+                 on_step_done: Callable[[], None] | None = None,
                  _make_engine: Callable[[], Engine] | None = None):
         self._idle_wait_s = idle_wait_s
+        # Called on the loop thread once a step's outputs have all gone to their callbacks: a caller
+        # that joins several outputs of one request (its n completions) knows the step is complete.
+        self._on_step_done = on_step_done
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
         self._wake = threading.Event()
@@ -61,9 +65,10 @@ class EngineLoop:
         self.stats: dict = self.engine.stats()  # snapshot taken by the engine thread, read by others
 
     @classmethod
-    def build(cls, make_engine: Callable[[], Engine], idle_wait_s: float = 0.05) -> "EngineLoop":
+    def build(cls, make_engine: Callable[[], Engine], idle_wait_s: float = 0.05,
+              on_step_done: Callable[[], None] | None = None) -> "EngineLoop":
         """Build the engine on the loop thread (blocks until it is ready; its errors are raised here)."""
-        return cls(None, idle_wait_s, _make_engine=make_engine)
+        return cls(None, idle_wait_s, on_step_done=on_step_done, _make_engine=make_engine)
 
     @property
     def alive(self) -> bool:
@@ -77,15 +82,17 @@ class EngineLoop:
         limit = self.engine.config.max_queue_size
         if limit and self.engine.scheduler.num_waiting + self._inbox.qsize() >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later")
-        seq = self.engine.make_sequence(prompt, params, **kwargs)
+        seqs = self.engine.make_sequences(prompt, params, **kwargs)
         with self._inbox_lock:
             if self._closed:  # the loop died or stopped while this request was being tokenized
                 raise EngineDeadError(f"the engine is not running: {self.error or 'shut down'}")
-            self._inbox.put(("add", seq, callback))
+            for seq in seqs:  # n > 1: one sequence per completion, each reported to the callback
+                self._inbox.put(("add", seq, callback))
         self._wake.set()
-        return seq.request_id
+        return seqs[0].request_id if len(seqs) == 1 else seqs[0].request_id.rpartition("/")[0]
 
     def abort(self, request_id: str) -> None:
+        """Stop a request (all its completions); its callback gets the final outputs."""
         self._inbox.put(("abort", request_id, None))
         self._wake.set()
 
@@ -103,8 +110,7 @@ class EngineLoop:
                     continue
                 self._callbacks[item.request_id] = callback
             else:
-                out = self.engine.abort(item)
-                if out is not None:
+                for out in self.engine.abort(item):
                     self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
@@ -140,6 +146,8 @@ class EngineLoop:
                 self.stats = self.engine.stats()
                 for out in outputs:
                     self._deliver(out)
+                if outputs and self._on_step_done is not None:
+                    self._on_step_done()
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             self.error = f"{type(exc).__name__}: {exc}"
             logger.error("engine thread died: %s\n%s", self.error, traceback.format_exc())

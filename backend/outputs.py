@@ -24,6 +24,7 @@ class RequestOutput:
     # Per new token, when the request asked (top_logprobs): (token id, log-prob, rank) of the most
     # likely tokens, then of the chosen one if it is not among them.
     new_top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
+    index: int = 0  # which of the request's n completions (request_id is then "<request>/<index>")
 
 
 @dataclass
@@ -39,3 +40,4 @@ class CompletionOutput:
     num_cached_prompt_tokens: int = 0
     times: dict[str, float] = field(default_factory=dict)
     top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)  # per token, if asked
+    index: int = 0  # which of the prompt's n completions

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 FLOAT_PARAMETERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it
+MAX_N = 64  # completions per request: each is a sequence of the running batch (max_num_seqs is 64 by default)
 
 
 class InvalidRequestError(ValueError):
@@ -17,6 +18,11 @@ class InvalidRequestError(ValueError):
 
 @dataclass
 class SamplingParams:
+    # Completions of the one prompt (vLLM's `n`): the prompt's K/V computed once and shared, each
+    # completion sampled on its own (with a seed, completion i uses seed + i). `best_of`, accepted for
+    # vLLM clients, must be None or n: this server returns every completion it generates.
+    n: int = 1
+    best_of: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -45,6 +51,8 @@ class SamplingParams:
     # Also the log-probs of the N most likely tokens (and the chosen one's rank) at each output token:
     # vLLM's `logprobs: N` in JSON. None: off.
     top_logprobs: int | None = None
+    # Keep only the prompt's last k tokens (vLLM's; -1: the last max_model_len - 1). None: whole prompt.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +68,15 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
 
         check_int("max_tokens", 1)
+        check_int("n", 1)
+        if self.n > MAX_N:
+            raise InvalidRequestError(f"n must be at most {MAX_N}, got {self.n}")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(f"best_of must equal n ({self.n}) when given: every completion generated is "
+                                      f"returned, got best_of={self.best_of!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
+            raise InvalidRequestError(f"truncate_prompt_tokens must be a positive integer or -1, got {k!r}")
         check_int("min_tokens", 0)
         check_int("top_k", 0)
         check_int("priority", -(2**31))
@@ -118,6 +135,8 @@ class SamplingParams:
         if not isinstance(values, dict):
             raise InvalidRequestError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
         known = {f.name for f in fields(cls)}
+        # None stands for "the default", as the vLLM backend reads it (clients send every key).
+        values = {k: v for k, v in values.items() if v is not None}
         unknown = sorted(set(values) - known)
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")

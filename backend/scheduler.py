@@ -131,9 +131,15 @@ class Scheduler:
 
         # 2. Waiting sequences, in policy order, while budget, slots and blocks allow.
         # Nothing new is admitted in a step that had to preempt: memory is short.
+        # A sibling completion whose prompt is still being computed by its lead is passed over (not
+        # blocking the queue): next step it reuses the lead's prompt blocks.
         now = time.time()
-        while self.waiting and budget > 0 and not num_preempted and len(self.running) < self.max_num_seqs:
-            _, seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and not num_preempted and len(self.running) < self.max_num_seqs:
+            _, seq = self.waiting[i]
+            if seq.waits_for_prefix:
+                i += 1
+                continue
             match = bm.match_prefix(seq)
             num_cached = match.num_tokens
             num_new = min(seq.num_tokens - num_cached, budget)
@@ -146,7 +152,7 @@ class Scheduler:
                         break
                 else:
                     break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             kv_copy = bm.allocate(seq, match, num_cached + num_new)
             seq.status = SequenceStatus.RUNNING
             if not seq.times.scheduled:

@@ -43,8 +43,12 @@ class Sequence:
     """Prompt + generated tokens, KV bookkeeping (block table, computed tokens) and stop state."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, index: int = 0):
         self.request_id = request_id
+        self.index = index  # which of its request's n completions this is
+        # A sibling completion (n > 1) waits until this sequence's prompt is in the KV cache, then
+        # takes those blocks from the prefix cache instead of computing the prompt again.
+        self.prefill_after: Sequence | None = None
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt followed by output
@@ -84,6 +88,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def waits_for_prefix(self) -> bool:
+        """Whether admission should wait for the sequence whose prompt blocks this one will share."""
+        lead = self.prefill_after
+        return lead is not None and not lead.is_finished and lead.num_computed_tokens < lead.num_prompt_tokens
 
     def append_token(self, token_id: int, logprob: float, top: list[tuple[int, float, int]] | None = None) -> None:
         self.token_ids.append(token_id)

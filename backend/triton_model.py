@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import queue
 import threading
 import time
 import uuid
-
-import numpy as np
 
 try:
     import triton_python_backend_utils as pb_utils
@@ -30,7 +27,8 @@ from .engine_loop import EngineDeadError, EngineLoop
 from .outputs import RequestOutput
 from .metrics import EngineMetrics
 from . import orphan_guard
-from .request_parsing import ParsedRequest, parse_request
+from .request_parsing import parse_request
+from .response_assembly import ResponseAssembler
 from .sampling_params import InvalidRequestError
 
 logger = logging.getLogger("tritonllm")
@@ -40,6 +38,7 @@ _INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exc
                 "return_num_output_tokens", "return_logprobs", "return_cumulative_logprob")
 _CANCEL_CHECK_S = 0.2  # is_cancelled() is a round trip to the server: a step or so is soon enough
 _METRICS_REFRESH_S = 0.5
+_STEP_DONE = object()  # queued after each engine step's outputs
 _ERROR_KINDS = {"InvalidRequestError": "invalid_argument", "QueueFullError": "unavailable",
                 "EngineDeadError": "unavailable"}
 
@@ -78,17 +77,12 @@ def _response_parameters_supported() -> bool:
 class _Active:
     """A request the response thread is serving."""
 
-    __slots__ = ("request_id", "sender", "parsed", "text", "ids", "logprobs", "top_logprobs", "cumulative_logprob")
+    __slots__ = ("request_id", "sender", "assembler")
 
-    def __init__(self, request_id: str, sender, parsed: ParsedRequest):
+    def __init__(self, request_id: str, sender, assembler: ResponseAssembler):
         self.request_id = request_id
         self.sender = sender
-        self.parsed = parsed
-        self.text: list[str] = []
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list = []  # per token, when the request asked for them
-        self.cumulative_logprob = 0.0  # of every token so far (return_cumulative_logprob)
+        self.assembler = assembler
 
 
 class TritonPythonModel:
@@ -106,8 +100,9 @@ class TritonPythonModel:
         logging.getLogger("tritonllm").setLevel(config.log_level.upper())
         self.model_name = args.get("model_name", "model")
         started = time.perf_counter()
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # (request, engine output), or _STEP_DONE
         # Built and warmed on the loop thread that will run it (see EngineLoop on OpenMP pools).
-        self.loop = EngineLoop.build(lambda: Engine(config))
+        self.loop = EngineLoop.build(lambda: Engine(config), on_step_done=lambda: self._outputs.put(_STEP_DONE))
         self.engine = self.loop.engine
         self.instance_name = instance_label(args, self.model_name)
         self.metrics = (EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"), self.instance_name)
@@ -115,8 +110,8 @@ class TritonPythonModel:
         if self.metrics is not None:
             # Right from the start: llm_engine_alive reads 0 until the first refresh otherwise.
             self.metrics.refresh(self.loop.stats, self.loop.alive)
-        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, _Active] = {}
+        self._pending: dict[str, _Active] = {}  # streams with n > 1 whose news wait for the step's last output
         self._stopping = threading.Event()
         self._responder = threading.Thread(target=self._respond_loop, name="tritonllm-responses", daemon=True)
         self._responder.start()
@@ -146,9 +141,7 @@ class TritonPythonModel:
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
         parsed = parse_request(inputs, request.parameters())
-        active = _Active(uuid.uuid4().hex, sender, parsed)
-        if not parsed.exclude_input_in_output and not parsed.stream and parsed.prompt is not None:
-            active.text.append(parsed.prompt)  # vLLM-backend compatible: the prompt leads the full text
+        active = _Active(uuid.uuid4().hex, sender, ResponseAssembler(parsed, self.engine.tokenizer.decode))
         # Registered before submitting: the first output may arrive before submit() returns.
         self._active[active.request_id] = active
         try:
@@ -164,16 +157,23 @@ class TritonPythonModel:
         last_cancel_check = last_refresh = time.monotonic()
         while not (self._stopping.is_set() and not self._active and self._outputs.empty()):
             try:
-                active, out = self._outputs.get(timeout=_CANCEL_CHECK_S)
+                item = self._outputs.get(timeout=_CANCEL_CHECK_S)
             except queue.Empty:
-                active = out = None
-            if active is not None:
+                item = None
+            if item is _STEP_DONE:
+                # A step's outputs have all arrived: one response per request with n > 1 for all of them.
+                pending, self._pending = self._pending, {}
+                for active in pending.values():
+                    try:
+                        self._send(active)
+                    except Exception:  # noqa: BLE001 - keep serving the other streams
+                        self._failed(active)
+            elif item is not None:
+                active, out = item
                 try:
                     self._handle(active, out)
                 except Exception:  # noqa: BLE001 - keep serving the other streams
-                    logger.exception("sending a response for %s failed", active.request_id)
-                    self._active.pop(active.request_id, None)
-                    self.loop.abort(active.request_id)  # nobody can receive its tokens any more
+                    self._failed(active)
             now = time.monotonic()
             if now - last_cancel_check >= _CANCEL_CHECK_S:
                 last_cancel_check = now
@@ -187,66 +187,46 @@ class TritonPythonModel:
 
     def _handle(self, active: _Active, out: RequestOutput) -> None:
         if out.finished and out.error is None and self.metrics is not None:
-            self.metrics.record_finished(out)
+            self.metrics.record_finished(out)  # per completion: a request with n > 1 counts n
         if active.request_id not in self._active:
-            return  # already closed (cancelled)
+            return  # already closed (cancelled, or an error ended it)
         if out.error is not None:
             self._active.pop(active.request_id, None)
+            self._pending.pop(active.request_id, None)
+            if active.assembler.parsed.params.n > 1:
+                self.loop.abort(active.request_id)  # its other completions: nobody will hear them
             self._send_error(active.sender, out.error, _ERROR_KINDS.get(out.error_kind, "unavailable"))
             return
-        p = active.parsed
-        if p.return_cumulative_logprob:
-            active.cumulative_logprob += math.fsum(out.new_logprobs)
-        if p.stream:
-            if out.new_token_ids or out.new_text or out.finished:
-                response = self._response(p, out.new_text, out.new_token_ids, out.new_logprobs,
-                                          out.new_top_logprobs, out, active.cumulative_logprob)
-                flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if out.finished else 0
-                active.sender.send(response, flags=flags)
-        else:
-            active.text.append(out.new_text)
-            active.ids += out.new_token_ids
-            active.logprobs += out.new_logprobs
-            active.top_logprobs += out.new_top_logprobs
-            if out.finished:
-                response = self._response(p, "".join(active.text), active.ids, active.logprobs,
-                                          active.top_logprobs, out, active.cumulative_logprob)
-                active.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        if out.finished:
-            self._active.pop(active.request_id, None)
+        assembler = active.assembler
+        assembler.add(out)
+        if assembler.finished:
+            self._pending.pop(active.request_id, None)
+            self._send(active)
+        elif assembler.parsed.stream and assembler.has_news:
+            if assembler.parsed.params.n == 1:
+                self._send(active)
+            else:  # sent once this step's outputs of the other completions are in too
+                self._pending[active.request_id] = active
 
-    def _response(self, p: ParsedRequest, text: str, ids: list[int], logprobs: list[float], top_logprobs: list,
-                  out: RequestOutput, cumulative_logprob: float):
-        tensors = [
-            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int32)),
-        ]
-        if p.return_logprobs:
-            tensors.append(pb_utils.Tensor("output_log_probs", np.asarray(logprobs, dtype=np.float32)))
-            if p.params.top_logprobs is not None:
-                tensors.append(pb_utils.Tensor("logprobs", np.array([self._logprobs_json(top_logprobs)], dtype=np.object_)))
-        if p.return_cumulative_logprob:  # the request's so far, as the vLLM backend's
-            tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([cumulative_logprob], dtype=np.float32)))
-        if p.return_finish_reason and out.finished:
-            tensors.append(pb_utils.Tensor("finish_reason", np.array([out.finish_reason.encode()], dtype=np.object_)))
-        if p.return_num_input_tokens:
-            tensors.append(pb_utils.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], dtype=np.uint32)))
-        if p.return_num_output_tokens:  # the tokens of this response, as the vLLM backend: a stream's sum is the total
-            tensors.append(pb_utils.Tensor("num_output_tokens", np.array([len(ids)], dtype=np.uint32)))
-        parameters = {}
-        if out.finished:
-            # Per-request timestamps (ns since the epoch) for clients and benchmarks.
-            parameters = {f"timing_{k}_ns": int(v * 1e9) for k, v in out.times.items() if v}
-            parameters["num_cached_prompt_tokens"] = out.num_cached_prompt_tokens
+    def _send(self, active: _Active) -> None:
+        assembler = active.assembler
+        tensors = [pb_utils.Tensor(name, array) for name, array in assembler.take_outputs().items()]
+        parameters = assembler.response_parameters()
         if parameters and _response_parameters_supported():
-            return pb_utils.InferenceResponse(output_tensors=tensors, parameters=parameters)
-        return pb_utils.InferenceResponse(output_tensors=tensors)
+            response = pb_utils.InferenceResponse(output_tensors=tensors, parameters=parameters)
+        else:
+            response = pb_utils.InferenceResponse(output_tensors=tensors)
+        if assembler.finished:
+            self._active.pop(active.request_id, None)
+            active.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        else:
+            active.sender.send(response)
 
-    def _logprobs_json(self, top_logprobs: list) -> bytes:
-        """The vLLM backend's `logprobs`: per token {token id: {logprob, rank, decoded_token}}."""
-        decode = self.engine.tokenizer.decode
-        return json.dumps([{str(t): {"logprob": lp, "rank": rank, "decoded_token": decode([t])} for t, lp, rank in entries}
-                           for entries in top_logprobs]).encode("utf-8")
+    def _failed(self, active: _Active) -> None:
+        logger.exception("sending a response for %s failed", active.request_id)
+        self._active.pop(active.request_id, None)
+        self._pending.pop(active.request_id, None)
+        self.loop.abort(active.request_id)  # nobody can receive its tokens any more
 
     def _check_cancelled(self) -> None:
         for request_id, active in list(self._active.items()):
@@ -256,6 +236,7 @@ class TritonPythonModel:
                 cancelled = True
             if cancelled:
                 self._active.pop(request_id, None)
+                self._pending.pop(request_id, None)
                 self.loop.abort(request_id)
                 try:
                     active.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

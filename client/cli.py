@@ -109,9 +109,12 @@ def cmd_generate(args) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    several = str(params.extra.get("n", 1)) not in ("1", "None")  # n completions: printed one by one at the end
     with StreamingClient(args.url, args.model) as client:
-        res = client.generate(args.prompt, params, on_text=show, timeout_s=args.timeout)
-    if res.text and not res.text.endswith("\n"):
+        res = client.generate(args.prompt, params, on_text=None if several else show, timeout_s=args.timeout)
+    for i, text in enumerate(res.texts if several else []):
+        sys.stdout.write(f"[completion {i}]\n{text}\n")
+    if res.text and not several and not res.text.endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()
     if not res.ok:

@@ -78,7 +78,8 @@ class GenerationResult:
     """Everything measured about one streamed request. Times are `time.perf_counter()` seconds."""
 
     request_id: str
-    text: str = ""
+    text: str = ""  # the (first) completion's text
+    texts: list[str] = field(default_factory=list)  # every completion's text, when the request asked for n > 1
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     finish_reason: Optional[str] = None
@@ -311,7 +312,14 @@ class StreamingClient:
         """Fold one response into `res`; True when it is the final one."""
         response = result.get_response()
         names = {o.name for o in response.outputs}
-        text = _scalar(result, "text_output") if "text_output" in names else None
+        text = None
+        arr = result.as_numpy("text_output") if "text_output" in names else None
+        if arr is not None and arr.size:
+            pieces = [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in arr.reshape(-1)]
+            text = pieces[0]
+            if len(pieces) > 1:  # n completions: one element each (the vLLM backend's format)
+                res.texts += [""] * (len(pieces) - len(res.texts))
+                res.texts = [have + new for have, new in zip(res.texts, pieces)]
         ids = []
         if "output_ids" in names:
             arr = result.as_numpy("output_ids")
@@ -338,9 +346,9 @@ class StreamingClient:
             v = _scalar(result, "num_input_tokens")
             res.num_input_tokens = None if v is None else int(v)
         if "num_output_tokens" in names:  # the tokens of this response: the request's count is their sum
-            v = _scalar(result, "num_output_tokens")
-            if v is not None:
-                res.reported_output_tokens = (res.reported_output_tokens or 0) + int(v)
+            arr = result.as_numpy("num_output_tokens")  # one count per completion
+            if arr is not None and arr.size:
+                res.reported_output_tokens = (res.reported_output_tokens or 0) + int(arr.sum())
         params = response.parameters
         final = params.get("triton_final_response")
         if len(params) > 1:

@@ -54,6 +54,7 @@ class Collected:
     response_id_counts: list[int] = field(default_factory=list)  # each response's number of output_ids
     cumulative_logprobs: list[float] = field(default_factory=list)  # each response's cumulative_logprob
     top_logprobs: list[list[dict]] = field(default_factory=list)  # each response's `logprobs` JSON, parsed
+    arrays: list[dict[str, np.ndarray]] = field(default_factory=list)  # each response's outputs, as sent
     error: str | None = None
     final: bool = False
 
@@ -106,6 +107,7 @@ class StreamClient:
         c = self.results[response.id]
         text = result.as_numpy("text_output")
         if text is not None:
+            c.arrays.append({o.name: result.as_numpy(o.name) for o in response.outputs})
             c.num_responses += 1
             c.texts += [t.decode() for t in text.reshape(-1)]
             ids = result.as_numpy("output_ids").tolist()

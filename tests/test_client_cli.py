@@ -196,3 +196,16 @@ def test_generate_passes_any_sampling_parameter_as_json(triton_server, engine):
     assert proc.stdout.rstrip("\n") == ref.text != plain.text
     bad = run_cli("generate", "Hi", "--url", triton_server.grpc_url, "--param", "no_such_knob=1", timeout=60)
     assert bad.returncode == 1 and "no_such_knob" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.server
+def test_generate_prints_each_of_n_sampled_completions(triton_server, engine):
+    from tritonllm.sampling_params import SamplingParams
+
+    proc = run_cli("generate", "Once upon a time", "--url", triton_server.grpc_url, "--max-tokens", "10",
+                   "--ignore-eos", "--no-chat", "--temperature", "1.0", "--param", "n=3", "--param", "seed=3")
+    assert proc.returncode == 0, proc.stderr
+    refs = engine.generate(["Once upon a time"], SamplingParams(n=3, seed=3, temperature=1.0, max_tokens=10,
+                                                               ignore_eos=True))
+    assert proc.stdout == "".join(f"[completion {i}]\n{r.text}\n" for i, r in enumerate(refs))
+    assert " 30 tokens in " in proc.stderr, proc.stderr  # the three completions' tokens

@@ -73,10 +73,10 @@ def test_abort_frees_blocks_before_the_next_step(engine):
     for _ in range(3):
         engine.step()
     used = engine.block_manager.num_used_blocks
-    out = engine.abort(rid)
+    [out] = engine.abort(rid)
     assert out.finished and out.finish_reason == "abort"
     assert engine.block_manager.num_used_blocks < used
-    assert engine.abort(rid) is None
+    assert engine.abort(rid) == []
     while engine.has_unfinished():
         engine.step()
     assert engine.block_manager.num_used_blocks == 0

@@ -115,3 +115,21 @@ def test_kv_window_keeps_memory_bounded():
         assert live <= 1 + 8 // BS + 2  # sink block + window blocks + the block being written
     s.abort(a)
     assert s.block_manager.num_used_blocks == 0
+
+
+def test_a_sibling_completion_waits_for_its_lead_prompt_without_holding_up_the_queue():
+    s = make(budget=10)  # the lead's 22-token prompt takes three steps
+    lead, sibling, other = seq(22, "r/0"), seq(22, "r/1"), seq(3, "other")
+    sibling.prefill_after = lead
+    for q in (lead, sibling, other):
+        s.add(q)
+    for _ in range(2):
+        out = run_step(s)
+        assert [it.seq.request_id for it in out.scheduled] == ["r/0"]  # budget spent on the lead
+    third = run_step(s)
+    # The sibling is passed over while the lead's prompt runs; the request behind it is not held up.
+    assert [it.seq.request_id for it in third.scheduled] == ["r/0", "other"]
+    assert sibling in [q for _, q in s.waiting]
+    fourth = run_step(s)  # the lead's prompt is in the cache: its 5 full blocks serve the sibling
+    [admitted] = [it for it in fourth.scheduled if it.seq is sibling]
+    assert sibling.num_cached_prompt_tokens == 20 and admitted.num_new_tokens == 2
