@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from grpc_stream import StreamClient, make_inputs
+from grpc_stream import StreamClient, make_inputs, metric, scrape
 from prompts import LONG_TEXT
 from tritonllm.sampling_params import MAX_N, InvalidRequestError, SamplingParams
 
@@ -114,3 +116,29 @@ def test_not_streamed_completions_come_in_one_response_and_sampled_ones_differ(s
     stream.send("bad", make_inputs("Hi", sampling={"n": 2, "best_of": 4}))
     bad = stream.wait(["bad"])["bad"]
     assert bad.error is not None and "best_of must equal n" in bad.error
+
+
+@pytest.mark.server
+def test_a_cancelled_request_stops_every_completion_and_frees_their_blocks(triton_server):
+    client = StreamClient(triton_server.grpc_url)
+    aborted_before = metric(scrape(triton_server.metrics_url), "llm_requests_finished_total", reason="abort")
+    client.send("long", make_inputs(PROMPT, stream=True, sampling={"n": 3, "max_tokens": 1000, "ignore_eos": True}))
+    deadline = time.monotonic() + 60
+    while client.results["long"].num_responses < 5 and time.monotonic() < deadline:
+        client._apply(*client.events.get(timeout=30))
+    assert client.results["long"].num_responses >= 5
+    deadline = time.monotonic() + 10  # gauges refresh twice a second
+    while metric(scrape(triton_server.metrics_url), "llm_kv_cache_blocks", state="used") == 0:
+        assert time.monotonic() < deadline, "the running request never showed in llm_kv_cache_blocks"
+        time.sleep(0.1)
+    client.close(cancel=True)
+    deadline = time.monotonic() + 15
+    while True:
+        samples = scrape(triton_server.metrics_url)
+        aborted = metric(samples, "llm_requests_finished_total", reason="abort") - aborted_before
+        idle = (metric(samples, "llm_requests", state="running") + metric(samples, "llm_requests", state="waiting")
+                + metric(samples, "llm_kv_cache_blocks", state="used")) == 0
+        if (idle and aborted >= 3) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle and aborted == 3, f"after the cancel: idle={idle}, completions aborted={aborted}"
