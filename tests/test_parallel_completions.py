@@ -142,3 +142,17 @@ def test_a_cancelled_request_stops_every_completion_and_frees_their_blocks(trito
             break
         time.sleep(0.2)
     assert idle and aborted == 3, f"after the cancel: idle={idle}, completions aborted={aborted}"
+
+
+@pytest.mark.server
+def test_http_generate_returns_the_completions_as_a_json_array(triton_server, engine):
+    import json
+    import urllib.request
+
+    body = {"text_input": "Paris is", "exclude_input_in_output": True, "max_tokens": 8, "n": 2, "ignore_eos": True}
+    request = urllib.request.Request(f"http://{triton_server.http_url}/v2/models/smollm2/generate",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        got = json.loads(response.read())
+    [ref] = engine.generate(["Paris is"], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert got["text_output"] == [ref.text, ref.text]
