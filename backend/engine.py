@@ -19,6 +19,7 @@ from . import device as devices
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .guided_choice import GuidedChoice
 from .loader import load_hf_config, load_tokenizer
 from .model_files import resolve_model_dir
 from .model_runner import ModelRunner
@@ -137,6 +138,9 @@ class Engine:
             request_id = uuid.uuid4().hex
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
         seq.bad_word_ids = self._bad_word_ids(params.bad_words)
+        if params.guided_choice:
+            seq.guided = GuidedChoice([tuple(self.tokenizer.encode(c, add_special_tokens=False))
+                                       for c in params.guided_choice], self.eos_token_ids)
         return seq
 
     def make_sequences(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
@@ -159,6 +163,7 @@ class Engine:
             params_i = first.params if first.params.seed is None else replace(first.params, seed=first.params.seed + index)
             seq = Sequence(f"{base_id}/{index}", first.prompt_token_ids, params_i, first.times.arrival, index=index)
             seq.bad_word_ids = first.bad_word_ids
+            seq.guided = first.guided
             seq.prefill_after = first if share_prompt else None
             seqs.append(seq)
         return seqs
@@ -256,10 +261,14 @@ class Engine:
         if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
             if seq.num_output_tokens > p.min_tokens or not p.min_tokens:
                 reason = FinishReason.STOP
+        if reason is None and seq.guided is not None and token_id in self.eos_token_ids:
+            reason = FinishReason.STOP  # a guided choice ended, ignore_eos or not
         if reason is None:
             state.text += state.detok.add(token_id)
             if p.stop and seq.num_output_tokens >= p.min_tokens:
                 reason = self._check_stop_strings(state, p.stop, p.include_stop_str_in_output)
+        if reason is None and seq.guided is not None and seq.guided.is_complete(seq.output_token_ids):
+            reason = FinishReason.STOP  # a whole choice that nothing extends
         if reason is None:
             if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH

@@ -2,14 +2,16 @@
 logit_bias, bad words and allowed tokens.
 
 The host lists, for each row that asks, the tokens concerned (the distinct tokens it has seen and
-how often, the ids in its logit_bias, the bad words' last tokens due now, the allowed ids); one
+how often, the ids in its logit_bias, the bad words' last tokens due now, the allowed ids, the
+guided choices' next tokens); one
 indexed write per kind then changes only those logits on the device, so a step pays for those
 tokens, not for rows x vocabulary. The penalty formulas are vLLM's (and for the repetition penalty
 transformers'): a seen token's logit l becomes l / p if l > 0 else l * p (prompt and output
 tokens), then l - frequency * count - presence for each token of the output. logit_bias is
 OpenAI's: the value is added to the token's logit, after the penalties. A bad word's last token is
 banned where the output so far ends with the word's other tokens (vLLM's bad_words); with
-allowed_token_ids, every other token is.
+allowed_token_ids, every other token is, and with a guided choice every token that continues no
+choice (guided_choice.py).
 """
 
 from __future__ import annotations
@@ -73,8 +75,14 @@ class LogitAdjustments:
                        if len(w) == 1 or (len(out) >= len(w) - 1 and tuple(out[len(out) - len(w) + 1:]) == w[:-1])}
                 if due:
                     banned.append((row, np.fromiter(sorted(due), dtype=np.int64, count=len(due)), 0.0))
-            if p.allowed_token_ids:
-                allowed.append((row, np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64)), 0.0))
+            if p.allowed_token_ids or seq.guided is not None:
+                ids = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64)) if p.allowed_token_ids else None
+                if seq.guided is not None:  # the guided choices' next tokens (with allowed_token_ids: both)
+                    due = np.asarray(seq.guided.allowed_tokens(seq.output_token_ids), dtype=np.int64)
+                    ids = due if ids is None else np.intersect1d(ids, due)
+                    if not len(ids):  # nothing both allow: the choices win, as the stricter constraint
+                        ids = due
+                allowed.append((row, ids, 0.0))
         if not (repeat or output or bias or banned or allowed):
             return None
         return cls(*(TokenValues.gather(parts, device) for parts in (repeat, output, bias, banned, allowed)))

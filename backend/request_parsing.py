@@ -20,7 +20,7 @@ _FLAGS = ("stream", "exclude_input_in_output", "apply_chat_template", "return_fi
           "return_num_input_tokens", "return_num_output_tokens", "return_logprobs", "return_cumulative_logprob")
 _NON_SAMPLING_PARAMETERS = set(_FLAGS) | {"text_input", "input_ids", "sampling_parameters"}
 # Request parameters are scalars: these come as their JSON text, a list or an object.
-_JSON_TEXT_PARAMETERS = {"stop": "[", "logit_bias": "{"}
+_JSON_TEXT_PARAMETERS = {"stop": "[", "logit_bias": "{", "guided_decoding": "{", "structured_outputs": "{"}
 
 
 @dataclass

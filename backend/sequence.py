@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from .guided_choice import GuidedChoice
 from .sampling_params import SamplingParams
 
 
@@ -68,6 +69,7 @@ class Sequence:
         # Output bookkeeping for streaming: how much the caller has already received.
         self.num_emitted_tokens = 0
         self.bad_word_ids: list[tuple[int, ...]] = []  # params.bad_words as token ids (set by the engine)
+        self.guided: GuidedChoice | None = None  # params.guided_decoding's choices as token ids (set by the engine)
 
     @property
     def num_tokens(self) -> int:
