@@ -167,3 +167,11 @@ def metric(samples: dict[str, float], name: str, **labels) -> float:
         if all(f'{k}="{v}"' in rest for k, v in labels.items()):
             total += value
     return total
+
+
+def wait_for_kv_blocks_in_use(metrics_url: str, timeout: float = 10.0) -> None:
+    """Until llm_kv_cache_blocks{state="used"} shows a running request (gauges refresh twice a second)."""
+    deadline = time.monotonic() + timeout
+    while metric(scrape(metrics_url), "llm_kv_cache_blocks", state="used") == 0:
+        assert time.monotonic() < deadline, "the running request never showed in llm_kv_cache_blocks"
+        time.sleep(0.1)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from grpc_stream import StreamClient, make_inputs, metric, scrape
+from grpc_stream import StreamClient, make_inputs, metric, scrape, wait_for_kv_blocks_in_use
 from prompts import LONG_TEXT
 from tritonllm.sampling_params import MAX_N, InvalidRequestError, SamplingParams
 
@@ -127,10 +127,7 @@ def test_a_cancelled_request_stops_every_completion_and_frees_their_blocks(trito
     while client.results["long"].num_responses < 5 and time.monotonic() < deadline:
         client._apply(*client.events.get(timeout=30))
     assert client.results["long"].num_responses >= 5
-    deadline = time.monotonic() + 10  # gauges refresh twice a second
-    while metric(scrape(triton_server.metrics_url), "llm_kv_cache_blocks", state="used") == 0:
-        assert time.monotonic() < deadline, "the running request never showed in llm_kv_cache_blocks"
-        time.sleep(0.1)
+    wait_for_kv_blocks_in_use(triton_server.metrics_url)
     client.close(cancel=True)
     deadline = time.monotonic() + 15
     while True:

@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from grpc_stream import StreamClient, make_inputs, metric, scrape
+from grpc_stream import StreamClient, make_inputs, metric, scrape, wait_for_kv_blocks_in_use
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
 from tritonllm.sampling_params import SamplingParams
 
@@ -88,10 +88,7 @@ def test_cancelled_stream_is_aborted_and_its_blocks_come_back(triton_server):
         result, error = client.events.get(timeout=30)
         client._apply(result, error)
     assert client.results["long"].num_responses >= 5
-    deadline = time.monotonic() + 10  # gauges refresh twice a second
-    while metric(scrape(triton_server.metrics_url), "llm_kv_cache_blocks", state="used") == 0:
-        assert time.monotonic() < deadline, "the running request never showed in llm_kv_cache_blocks"
-        time.sleep(0.1)
+    wait_for_kv_blocks_in_use(triton_server.metrics_url)
     client.close(cancel=True)
     samples = _wait_idle(triton_server)
     assert metric(samples, "llm_requests", state="running") == 0
