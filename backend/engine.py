@@ -156,12 +156,13 @@ class Engine:
         if n == 1:
             return [first]
         base_id = first.request_id
-        first.request_id = f"{base_id}/0"
+        first.request_id = f"{base_id}/0"  # parent_id stays base_id
         share_prompt = self.config.enable_prefix_caching and first.num_prompt_tokens > self.config.block_size
         seqs = [first]
         for index in range(1, n):
             params_i = first.params if first.params.seed is None else replace(first.params, seed=first.params.seed + index)
             seq = Sequence(f"{base_id}/{index}", first.prompt_token_ids, params_i, first.times.arrival, index=index)
+            seq.parent_id = base_id
             seq.bad_word_ids = first.bad_word_ids
             seq.guided = first.guided
             seq.prefill_after = first if share_prompt else None
@@ -188,8 +189,7 @@ class Engine:
     def add_request(self, prompt: str | None = None, params: SamplingParams | dict | None = None, **kwargs) -> str:
         """Validate, tokenize and queue a request; returns its id (with n > 1 its completions' sequences
         are "<id>/0" ... "<id>/<n-1>"). Raises InvalidRequestError on bad input."""
-        seqs = self._add(prompt, params, **kwargs)
-        return seqs[0].request_id if len(seqs) == 1 else seqs[0].request_id.rpartition("/")[0]
+        return self._add(prompt, params, **kwargs)[0].parent_id
 
     def _add(self, prompt, params, **kwargs) -> list[Sequence]:
         seqs = self.make_sequences(prompt, params, **kwargs)
@@ -201,7 +201,7 @@ class Engine:
         """Stop a request now (every completion of it: a sequence id or the request's id); its blocks
         are free before the next step. The final outputs of what was stopped; empty if nothing was here."""
         seqs = [self._seqs[request_id]] if request_id in self._seqs else [
-            seq for seq in self._seqs.values() if seq.params.n > 1 and seq.request_id.rpartition("/")[0] == request_id]
+            seq for seq in self._seqs.values() if seq.parent_id == request_id]
         outputs = []
         for seq in seqs:
             if self.scheduler.abort(seq):

@@ -89,7 +89,7 @@ class EngineLoop:
             for seq in seqs:  # n > 1: one sequence per completion, each reported to the callback
                 self._inbox.put(("add", seq, callback))
         self._wake.set()
-        return seqs[0].request_id if len(seqs) == 1 else seqs[0].request_id.rpartition("/")[0]
+        return seqs[0].parent_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its completions); its callback gets the final outputs."""

@@ -45,7 +45,8 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, index: int = 0):
-        self.request_id = request_id
+        self.request_id = request_id  # this sequence's own id ("<request>/<index>" when n > 1)
+        self.parent_id = request_id  # the request's id, which its n completions share (set by the engine)
         self.index = index  # which of its request's n completions this is
         # A sibling completion (n > 1) waits until this sequence's prompt is in the KV cache, then
         # takes those blocks from the prefix cache instead of computing the prompt again.
