@@ -19,7 +19,7 @@ from . import device as devices
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .guided_choice import GuidedChoice
+from .guided_decoding import Guides
 from .loader import load_hf_config, load_tokenizer
 from .model_files import resolve_model_dir
 from .model_runner import ModelRunner
@@ -55,6 +55,7 @@ class Engine:
         hf_config = load_hf_config(self.model_dir)
         self.max_model_len = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", config.max_model_len))
         self.eos_token_ids = self._eos_ids(hf_config)
+        self.guides = Guides(self.tokenizer, self.eos_token_ids)
         self.runner = ModelRunner(config, self.model_dir, self.device, self.dtype, self.max_model_len, self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -138,9 +139,7 @@ class Engine:
             request_id = uuid.uuid4().hex
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
         seq.bad_word_ids = self._bad_word_ids(params.bad_words)
-        if params.guided_choice:
-            seq.guided = GuidedChoice([tuple(self.tokenizer.encode(c, add_special_tokens=False))
-                                       for c in params.guided_choice], self.eos_token_ids)
+        seq.guided = self.guides.for_request(params.guided_decoding)
         return seq
 
     def make_sequences(self, prompt: str | None = None, params: SamplingParams | dict | None = None,

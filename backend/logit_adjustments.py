@@ -2,16 +2,15 @@
 logit_bias, bad words and allowed tokens.
 
 The host lists, for each row that asks, the tokens concerned (the distinct tokens it has seen and
-how often, the ids in its logit_bias, the bad words' last tokens due now, the allowed ids, the
-guided choices' next tokens); one
-indexed write per kind then changes only those logits on the device, so a step pays for those
+how often, the ids in its logit_bias, the bad words' last tokens due now, the allowed ids, a guide's
+next tokens); one indexed write per kind then changes only those logits on the device, so a step pays for those
 tokens, not for rows x vocabulary. The penalty formulas are vLLM's (and for the repetition penalty
 transformers'): a seen token's logit l becomes l / p if l > 0 else l * p (prompt and output
 tokens), then l - frequency * count - presence for each token of the output. logit_bias is
 OpenAI's: the value is added to the token's logit, after the penalties. A bad word's last token is
 banned where the output so far ends with the word's other tokens (vLLM's bad_words); with
-allowed_token_ids, every other token is, and with a guided choice every token that continues no
-choice (guided_choice.py).
+allowed_token_ids, every other token is, and with a guide every token it does not allow next
+(guided_decoding.py).
 """
 
 from __future__ import annotations
@@ -77,10 +76,10 @@ class LogitAdjustments:
                     banned.append((row, np.fromiter(sorted(due), dtype=np.int64, count=len(due)), 0.0))
             if p.allowed_token_ids or seq.guided is not None:
                 ids = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64)) if p.allowed_token_ids else None
-                if seq.guided is not None:  # the guided choices' next tokens (with allowed_token_ids: both)
+                if seq.guided is not None:  # the guide's next tokens (with allowed_token_ids: both)
                     due = np.asarray(seq.guided.allowed_tokens(seq.output_token_ids), dtype=np.int64)
                     ids = due if ids is None else np.intersect1d(ids, due)
-                    if not len(ids):  # nothing both allow: the choices win, as the stricter constraint
+                    if not len(ids):  # nothing both allow: the guide wins, as the stricter constraint
                         ids = due
                 allowed.append((row, ids, 0.0))
         if not (repeat or output or bias or banned or allowed):

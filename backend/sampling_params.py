@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 
+from .errors import InvalidRequestError  # re-exported: callers import it from here
+from .guided_decoding import parse_guided_decoding
+
 
 # The parameters that are numbers with a fraction: an integer given for one is taken as a float.
 FLOAT_PARAMETERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it
-_GUIDED_KEYS = ("choice", "backend", "whitespace_pattern")  # the last two are hints that a choice does not need
 MAX_N = 64  # completions per request: each is a sequence of the running batch (max_num_seqs is 64 by default)
-
-
-class InvalidRequestError(ValueError):
-    """The caller sent something unusable; the message says what. Other requests are unaffected."""
 
 
 @dataclass
@@ -53,8 +51,8 @@ class SamplingParams:
     # Also the log-probs of the N most likely tokens (and the chosen one's rank) at each output token:
     # vLLM's `logprobs: N` in JSON. None: off.
     top_logprobs: int | None = None
-    # Constrained output (vLLM's guided_decoding, also sent as structured_outputs): {"choice": [strings]}
-    # makes the output one of those strings (guided_choice.py). None: free.
+    # Constrained output (vLLM's guided_decoding, also sent as structured_outputs): {"choice": [strings]},
+    # {"regex": pattern}, {"json": schema} or {"json_object": true} (guided_decoding.py). None: free.
     guided_decoding: dict | None = None
     # Keep only the prompt's last k tokens (vLLM's; -1: the last max_model_len - 1). None: whole prompt.
     truncate_prompt_tokens: int | None = None
@@ -79,7 +77,7 @@ class SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError(f"best_of must equal n ({self.n}) when given: every completion generated is "
                                       f"returned, got best_of={self.best_of!r}")
-        self._check_guided_decoding()
+        self.guided_decoding = parse_guided_decoding(self.guided_decoding)
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
             raise InvalidRequestError(f"truncate_prompt_tokens must be a positive integer or -1, got {k!r}")
@@ -124,30 +122,6 @@ class SamplingParams:
             raise InvalidRequestError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
-
-    def _check_guided_decoding(self) -> None:
-        g = self.guided_decoding
-        if g is None:
-            return
-        if isinstance(g, str):  # JSON text, as the vLLM backend also takes it
-            try:
-                g = self.guided_decoding = json.loads(g)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"guided_decoding is not valid JSON: {exc}") from None
-        if not isinstance(g, dict):
-            raise InvalidRequestError(f"guided_decoding must be a JSON object, got {g!r}")
-        unsupported = sorted(k for k, v in g.items() if v not in (None, False) and k not in _GUIDED_KEYS)
-        if unsupported:
-            raise InvalidRequestError(f"guided_decoding {unsupported} is not supported by this server; "
-                                      f"supported: choice")
-        choice = g.get("choice")
-        if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):
-            raise InvalidRequestError(f"guided_decoding choice must be a non-empty list of non-empty strings, "
-                                      f"got {choice!r}")
-
-    @property
-    def guided_choice(self) -> list[str]:
-        return self.guided_decoding["choice"] if self.guided_decoding else []
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from .guided_choice import GuidedChoice
+from .guided_regex import GuidedRegex
 from .sampling_params import SamplingParams
 
 
@@ -70,7 +71,7 @@ class Sequence:
         # Output bookkeeping for streaming: how much the caller has already received.
         self.num_emitted_tokens = 0
         self.bad_word_ids: list[tuple[int, ...]] = []  # params.bad_words as token ids (set by the engine)
-        self.guided: GuidedChoice | None = None  # params.guided_decoding's choices as token ids (set by the engine)
+        self.guided: GuidedChoice | GuidedRegex | None = None  # params.guided_decoding's guide (set by the engine)
 
     @property
     def num_tokens(self) -> int:

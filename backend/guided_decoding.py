@@ -1,0 +1,122 @@
+"""vLLM's `guided_decoding` parameter (also sent as `structured_outputs`): the guide a request asks for,
+checked when the request arrives, and an engine's guides built from it.
+
+Exactly one of:
+- `{"choice": [strings]}`: the output is one of the strings (guided_choice.py);
+- `{"regex": pattern}`: the output matches the pattern as a whole (guided_regex.py);
+- `{"json": schema}` (an object or JSON text): the output is JSON that the schema accepts, through
+  the schema's regular expression (json_schema_regex.py);
+- `{"json_object": true}`: the output is a JSON object.
+
+`whitespace_pattern` replaces the JSON guides' whitespace after `:` and `,` (one optional space by
+default); `backend` and vLLM's other switches are accepted and change nothing here. `grammar` and
+`structural_tag` are refused with a clear error, as is a pattern or schema this server cannot follow.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from functools import lru_cache
+
+from .errors import InvalidRequestError
+from .guided_choice import GuidedChoice
+from .guided_regex import GuidedRegex, VocabularyTrie
+from .json_schema_regex import DEFAULT_WHITESPACE, any_object_regex, json_schema_regex
+from .regex_automaton import RegexAutomaton
+
+GUIDE_KINDS = ("choice", "regex", "json", "json_object")
+# Accepted for vLLM clients; none changes what a guide allows here.
+_SWITCHES = ("backend", "whitespace_pattern", "disable_fallback", "disable_any_whitespace",
+             "disable_additional_properties")
+
+
+def parse_guided_decoding(guided) -> dict | None:
+    """`guided` (a dict or its JSON text) checked: the dict to keep, or InvalidRequestError saying what is wrong."""
+    if guided is None:
+        return None
+    if isinstance(guided, str):  # JSON text, as the vLLM backend also takes it
+        try:
+            guided = json.loads(guided)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"guided_decoding is not valid JSON: {exc}") from None
+    if not isinstance(guided, dict):
+        raise InvalidRequestError(f"guided_decoding must be a JSON object, got {guided!r}")
+    given = {k: v for k, v in guided.items() if v is not None and v is not False}
+    unsupported = sorted(set(given) - set(GUIDE_KINDS) - set(_SWITCHES))
+    if unsupported:
+        raise InvalidRequestError(f"guided_decoding {unsupported} is not supported by this server; "
+                                  f"supported: {', '.join(GUIDE_KINDS)}")
+    kinds = [k for k in GUIDE_KINDS if k in given]
+    if len(kinds) != 1:
+        raise InvalidRequestError(f"guided_decoding needs exactly one of {', '.join(GUIDE_KINDS)}; got {kinds or 'none'}")
+    [kind] = kinds
+    if kind == "choice":
+        choice = given["choice"]
+        if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):
+            raise InvalidRequestError(f"guided_decoding choice must be a non-empty list of non-empty strings, "
+                                      f"got {choice!r}")
+    elif kind == "regex" and (not isinstance(given["regex"], str) or not given["regex"]):
+        raise InvalidRequestError(f"guided_decoding regex must be a non-empty string, got {given['regex']!r}")
+    elif kind == "json" and isinstance(given["json"], str):
+        try:
+            given["json"] = json.loads(given["json"])
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"guided_decoding json schema is not valid JSON: {exc}") from None
+    if not isinstance(given.get("whitespace_pattern", ""), str):
+        raise InvalidRequestError("guided_decoding whitespace_pattern must be a string (a regular expression)")
+    pattern = guide_pattern(given)
+    if pattern is not None:
+        compiled_automaton(pattern)  # refuses what the automaton cannot follow, now rather than mid-batch
+    return given
+
+
+def guide_pattern(guided: dict) -> str | None:
+    """The regular expression a checked guided_decoding asks the output to match (None: a choice)."""
+    whitespace = guided.get("whitespace_pattern") or DEFAULT_WHITESPACE
+    if "regex" in guided:
+        return guided["regex"]
+    if "json" in guided:
+        return json_schema_regex(guided["json"], whitespace)
+    if "json_object" in guided:
+        return any_object_regex(whitespace)
+    return None
+
+
+@lru_cache(maxsize=64)
+def compiled_automaton(pattern: str) -> RegexAutomaton:
+    """One automaton per pattern, shared by every request (and engine) that asks for it: its states grow as used."""
+    return RegexAutomaton(pattern)
+
+
+class Guides:
+    """An engine's guides: the vocabulary as a trie (built at the first pattern guide) and one guide per
+    pattern, the `capacity` most recently used kept with the token sets their states allow."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int], capacity: int = 64):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.capacity = capacity
+        self._vocabulary: VocabularyTrie | None = None
+        self._by_pattern: OrderedDict[str, GuidedRegex] = OrderedDict()
+        self._lock = threading.Lock()  # requests arrive on Triton's threads
+
+    def for_request(self, guided: dict | None) -> GuidedChoice | GuidedRegex | None:
+        if not guided:
+            return None
+        pattern = guide_pattern(guided)
+        if pattern is None:
+            return GuidedChoice([tuple(self.tokenizer.encode(c, add_special_tokens=False)) for c in guided["choice"]],
+                                self.eos_token_ids)
+        with self._lock:
+            guide = self._by_pattern.get(pattern)
+            if guide is None:
+                if self._vocabulary is None:
+                    self._vocabulary = VocabularyTrie.from_tokenizer(self.tokenizer)
+                guide = self._by_pattern[pattern] = GuidedRegex(compiled_automaton(pattern), self._vocabulary,
+                                                                self.eos_token_ids)
+                while len(self._by_pattern) > self.capacity:
+                    self._by_pattern.popitem(last=False)
+            self._by_pattern.move_to_end(pattern)
+        return guide
