@@ -3,10 +3,10 @@
 At every step a sequence may take the tokens whose text keeps its output a prefix of some match,
 and end of sequence once the output matches. The regular expression's automaton
 (regex_automaton.py) is stepped over the vocabulary's texts arranged as a character trie
-(`VocabularyTrie`): one walk per automaton state prunes every token that starts with a dead prefix
-at once, and its result is kept, so a state costs one walk however many steps and requests reach
-it. A request with a JSON schema is the same guide on the schema's expression
-(json_schema_regex.py).
+(`VocabularyTrie`): one walk per automaton state, a level of the trie at a time, prunes every token
+that starts with a dead prefix at once, and its result is kept, so a state costs one walk however
+many steps and requests reach it. A request with a JSON schema is the same guide on the schema's
+expression (json_schema_regex.py).
 
 Tokens are matched by their own text. Tokens whose text is not whole characters (a byte-level
 token holding part of a multi-byte character) and special tokens never match, so a character
@@ -19,22 +19,42 @@ import numpy as np
 
 from .regex_automaton import DEAD, RegexAutomaton
 
-_IDS = None  # the trie's key under which a node lists the tokens that end there
-
 
 class VocabularyTrie:
-    """The vocabulary's token texts as a character trie (nested dicts; `None` keys list token ids)."""
+    """The vocabulary's token texts as a character trie, stored level by level as arrays so that one
+    walk is a few numpy operations per character position rather than a Python loop per node.
+
+    Level d holds the distinct d-character prefixes of the token texts: each node's parent (an index
+    into level d - 1; level 0 is the root) and its last character (an index into `alphabet`), and
+    the tokens whose whole text ends at which node.
+    """
 
     def __init__(self, texts: list[str | None]):
         self.texts = texts
-        self.root: dict = {}
-        for token_id, text in enumerate(texts):
-            if not text:
-                continue
-            node = self.root
-            for ch in text:
-                node = node.get(ch) or node.setdefault(ch, {})
-            node.setdefault(_IDS, []).append(token_id)
+        self.alphabet = "".join(sorted({ch for t in texts if t for ch in t}))  # every character of a text
+        index = {ch: i for i, ch in enumerate(self.alphabet)}
+        self.levels: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        above: dict[str, int] = {"": 0}
+        tokens = [(i, t) for i, t in enumerate(texts) if t]
+        depth = 1
+        while tokens:
+            level: dict[str, int] = {}
+            parents, chars, end_nodes, end_tokens, longer = [], [], [], [], []
+            for token_id, text in tokens:
+                prefix = text[:depth]
+                node = level.get(prefix)
+                if node is None:
+                    node = level[prefix] = len(parents)
+                    parents.append(above[prefix[:-1]])
+                    chars.append(index[prefix[-1]])
+                if len(text) == depth:
+                    end_nodes.append(node)
+                    end_tokens.append(token_id)
+                else:
+                    longer.append((token_id, text))
+            self.levels.append((np.asarray(parents, dtype=np.int64), np.asarray(chars, dtype=np.int64),
+                                np.asarray(end_nodes, dtype=np.int64), np.asarray(end_tokens, dtype=np.int64)))
+            above, tokens, depth = level, longer, depth + 1
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "VocabularyTrie":
@@ -44,26 +64,23 @@ class VocabularyTrie:
                  for i, piece in enumerate(pieces)]
         return cls([None if t is None or "\ufffd" in t else t for t in texts])
 
-    def live_tokens(self, automaton: RegexAutomaton, state: int) -> np.ndarray:
-        """Sorted ids of the tokens after which `state` is not dead."""
-        found: list[int] = []
-        moves, step = automaton.moves, automaton.step
-        stack = [(self.root, state)]
-        while stack:
-            node, at = stack.pop()
-            for ch, child in node.items():
-                if ch is _IDS:
-                    continue
-                nxt = moves.get((at, ch))
-                if nxt is None:
-                    nxt = step(at, ch)
-                if nxt != DEAD:
-                    ids = child.get(_IDS)
-                    if ids:
-                        found.extend(ids)
-                    if len(child) > (1 if ids else 0):
-                        stack.append((child, nxt))
-        return np.unique(np.asarray(found, dtype=np.int64))
+    def live_tokens(self, table_for, state: int) -> np.ndarray:
+        """Sorted ids of the tokens whose text, read from `state`, does not reach the dead state.
+
+        `table_for(states)` returns a transition table holding a row for each of `states`: row s is
+        the state after each character of `alphabet` from state s.
+        """
+        states = np.asarray([state], dtype=np.int64)  # the root's
+        found = []
+        for parents, chars, end_nodes, end_tokens in self.levels:
+            from_states = states[parents]
+            alive = from_states != DEAD
+            if not alive.any():
+                break
+            table = table_for(from_states[alive])
+            states = np.where(alive, table[np.where(alive, from_states, 0), chars], DEAD)
+            found.append(end_tokens[states[end_nodes] != DEAD])
+        return np.sort(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
 
 
 class GuidedRegex:
@@ -74,20 +91,40 @@ class GuidedRegex:
         self.vocabulary = vocabulary
         self.eos = np.asarray(sorted(eos_token_ids), dtype=np.int64)
         self._live: dict[int, np.ndarray] = {}  # automaton state -> its live tokens
+        # Row s: the automaton's state after each character of the vocabulary's alphabet from state s.
+        self._table = np.zeros((0, len(vocabulary.alphabet)), dtype=np.int64)
+        self._has_row = np.zeros(0, dtype=bool)
 
-    def _state(self, output: list[int]) -> int:
+    def _text(self, output: list[int]) -> str:
         texts = self.vocabulary.texts
-        return self.automaton.walk("".join(texts[t] for t in output if texts[t]))
+        return "".join(texts[t] for t in output if texts[t])
+
+    def _table_for(self, states: np.ndarray) -> np.ndarray:
+        top = int(states.max()) + 1
+        if top > len(self._table):
+            size = max(top, 2 * len(self._table))
+            self._table = np.concatenate([self._table, np.zeros((size - len(self._table), self._table.shape[1]),
+                                                                dtype=np.int64)])
+            self._has_row = np.concatenate([self._has_row, np.zeros(size - len(self._has_row), dtype=bool)])
+        missing = states[~self._has_row[states]]
+        for state in np.unique(missing).tolist():
+            self._table[state] = self.automaton.transitions(state, self.vocabulary.alphabet)
+            self._has_row[state] = True
+        return self._table
 
     def _live_tokens(self, state: int) -> np.ndarray:
         live = self._live.get(state)
         if live is None:
-            live = self._live[state] = self.vocabulary.live_tokens(self.automaton, state)
+            live = self._live[state] = self.vocabulary.live_tokens(self._table_for, state)
         return live
 
     def allowed_tokens(self, output: list[int]) -> np.ndarray:
         """The tokens the next step may take after `output`: end of sequence where it matches."""
-        state = self._state(output)
+        return self.allowed_after(self._text(output))
+
+    def allowed_after(self, text: str) -> np.ndarray:
+        """The tokens that may follow an output whose text is `text` (sorted ids)."""
+        state = self.automaton.walk(text)
         if state == DEAD:  # defensively (only allowed tokens were taken): end it
             return self.eos
         live = self._live_tokens(state)
@@ -97,5 +134,5 @@ class GuidedRegex:
 
     def is_complete(self, output: list[int]) -> bool:
         """Whether `output` matches and no token can extend it: nothing more may follow."""
-        state = self._state(output)
+        state = self.automaton.walk(self._text(output))
         return self.automaton.is_accepting(state) and not len(self._live_tokens(state))

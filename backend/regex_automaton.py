@@ -19,6 +19,8 @@ import re
 import re._constants as C
 import re._parser as sre_parser
 
+import numpy as np
+
 from .errors import InvalidRequestError
 
 DEAD = -1
@@ -79,6 +81,7 @@ class RegexAutomaton:
         self._ids: dict[frozenset[int], int] = {}
         self._accepting: list[bool] = []
         self.moves: dict[tuple[int, str], int] = {}
+        self._masks: dict[tuple[int, str], np.ndarray] = {}  # (class, alphabet) -> which characters it takes
         self.start = self._intern(self._closure({start}))
 
     # --- the NFA, built from the parse tree -------------------------------------------------
@@ -190,6 +193,28 @@ class RegexAutomaton:
             targets = {dst for s in self._sets[state] for cls, dst in self._edges[s] if ch in cls}
             nxt = self.moves[key] = self._intern(self._closure(targets))
         return nxt
+
+    def transitions(self, state: int, alphabet: str) -> np.ndarray:
+        """The state after each character of `alphabet` (int64, DEAD where none), as `step` gives them.
+
+        The characters that take the same edges share one closure, so a row costs a few set
+        operations rather than one per character.
+        """
+        edges = [] if state == DEAD else [edge for s in self._sets[state] for edge in self._edges[s]]
+        if not edges:
+            return np.full(len(alphabet), DEAD, dtype=np.int64)
+        taken = np.stack([self._class_mask(cls, alphabet) for cls, _ in edges])  # [edges, alphabet]
+        patterns, which = np.unique(taken, axis=1, return_inverse=True)
+        targets = np.asarray([self._intern(self._closure({edges[e][1] for e in np.flatnonzero(column)}))
+                              for column in patterns.T], dtype=np.int64)
+        return targets[which.reshape(-1)]
+
+    def _class_mask(self, cls: CharClass, alphabet: str) -> np.ndarray:
+        key = (id(cls), alphabet)  # the classes live as long as the automaton; str hashes are cached
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = self._masks[key] = np.fromiter((ch in cls for ch in alphabet), dtype=bool, count=len(alphabet))
+        return mask
 
     def walk(self, text: str, state: int | None = None) -> int:
         state = self.start if state is None else state

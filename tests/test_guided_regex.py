@@ -11,7 +11,7 @@ import pytest
 import regex  # transformers' tokenizer dependency: its partial matching is the independent oracle here
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.guided_regex import VocabularyTrie
+from tritonllm.guided_regex import GuidedRegex, VocabularyTrie
 from tritonllm.regex_automaton import DEAD, RegexAutomaton
 from tritonllm.sampling_params import InvalidRequestError, SamplingParams
 
@@ -74,11 +74,14 @@ def _brute_force_live(vocabulary, pattern: str, text: str) -> list[int]:
     (r'\{"name": "[^"]*", "age": [0-9]+\}', '{"name": "Jo'),
     (r'\{"name": "[^"]*", "age": [0-9]+\}', '{"name": "Jo", "age": 4'),
     (r"(Paris|London|Rome) is (big|small)\.", "Lon"),
+    (r"(Paris|London|Rome) is (big|small)\.", "Rome is small."),
+    (r"[0-9]+", "12"),
+    (r'\{"a": "(?:[^"\\]|\\.){0,8}", "b": \[(?:[0-9]+(?:, [0-9]+){0,2})?\]\}', '{"a": "x\\'),
 ])
-def test_live_tokens_are_exactly_those_that_keep_a_match_possible(vocabulary, pattern, text):
-    automaton = RegexAutomaton(pattern)
-    got = vocabulary.live_tokens(automaton, automaton.walk(text)).tolist()
-    assert got == _brute_force_live(vocabulary, pattern, text)
+def test_allowed_tokens_are_exactly_those_that_keep_a_match_possible(vocabulary, pattern, text):
+    guide = GuidedRegex(RegexAutomaton(pattern), vocabulary, eos_token_ids={0})
+    expected = _brute_force_live(vocabulary, pattern, text) + ([0] if re.fullmatch(pattern, text) else [])
+    assert guide.allowed_after(text).tolist() == sorted(expected)
 
 
 def test_special_and_partial_character_tokens_never_match(tokenizer, vocabulary):
