@@ -188,7 +188,7 @@ class ModelRunner:
         if ranked:
             batch.ranked_rows, batch.ranked_counts = [r for r, _ in ranked], [n for _, n in ranked]
         if any(it.seq.params.adjusts_logits for it in sampled):
-            batch.adjustments = LogitAdjustments.build(sampled, self.device)
+            batch.adjustments = LogitAdjustments.build(sampled, self.model.config.vocab_size, self.device)
         return batch
 
     def _generator(self, item: ScheduledSeq):

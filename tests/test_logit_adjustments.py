@@ -113,7 +113,7 @@ def test_a_bad_words_last_token_is_banned_only_where_it_would_complete_the_word(
     seq.bad_word_ids = [(5,), (7, 8), (1, 2, 3)]
     for output, due in (([], {5}), ([9, 7], {5, 8}), ([1, 2], {5, 3}), ([7, 1], {5}), ([2], {5})):
         seq.token_ids = [1, 2] + output
-        adjustments = LogitAdjustments.build([ScheduledSeq(seq, 1)], torch.device("cpu"))
+        adjustments = LogitAdjustments.build([ScheduledSeq(seq, 1)], 16, torch.device("cpu"))
         assert set(adjustments.banned.ids.tolist()) == due, output
 
 
