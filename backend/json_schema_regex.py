@@ -11,8 +11,9 @@ Supported: `type` (one or a list), `properties`, `additionalProperties` (for an 
 `#/definitions/...`), and for strings `minLength` / `maxLength`, `pattern` and the formats
 `date`, `time`, `date-time` and `uuid`. A value of any type (`{}`, `true`, an object without
 `properties`) nests at most `ANY_DEPTH` levels, since a regular expression cannot count brackets.
-Numeric bounds (`minimum`, ...) are not enforced. Anything else that changes what is valid is
-refused with InvalidRequestError rather than silently ignored.
+Not enforced (the value is then any value of its type): numeric bounds (`minimum`, ...),
+`uniqueItems` and other string formats. Any other key that changes what is valid is refused with
+InvalidRequestError rather than silently ignored.
 """
 
 from __future__ import annotations

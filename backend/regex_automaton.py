@@ -3,14 +3,15 @@
 Guided decoding asks, at every step, which tokens keep the output a prefix of some match. Python's
 `re` answers only "does this whole string match", so the pattern is parsed with the standard
 library's own parser (`re._parser`, the syntax `re` accepts) into a Thompson NFA over character
-sets, and its DFA states (sets of NFA states) are built lazily, one (state, character) transition
-at a time, as the outputs reach them. A state is *live* while some continuation can still match;
-the guide prunes on the dead state (-1) and may end the output in an *accepting* state.
+classes, whose DFA states (sets of NFA states) are built lazily as outputs reach them: one
+(state, character) move at a time (`step`), or a state's whole row over an alphabet (`transitions`).
+A state is *live* while some continuation can still match; the guide prunes on the dead state (-1)
+and may end the output in an *accepting* state.
 
 Matching is whole-string (`re.fullmatch`): `^`, `$`, `\\A` and `\\Z` are accepted and mean nothing
-more. What this automaton does not follow (backreferences, lookaround, conditionals, atomic groups,
-possessive quantifiers) and scoped flags are refused with InvalidRequestError. Flags that apply to the whole pattern: `(?s)` (DOTALL) is
-honoured; `(?i)` is refused.
+more. What this automaton does not follow (backreferences, lookarounds, conditionals, atomic groups,
+possessive quantifiers, word boundaries), scoped flags and the flags other than `(?s)` (`.` takes
+newlines), `(?x)` and `(?m)` are refused with InvalidRequestError.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .errors import InvalidRequestError
 
 DEAD = -1
 
-# A character class: (negated, items); an item is ("lit", code), ("range", lo, hi) or ("cat", name).
+# \d, \s, \w and their negations, as `re` reads them in a str pattern (Unicode).
 _CATEGORIES = {
     C.CATEGORY_DIGIT: lambda ch: ch.isdecimal(),
     C.CATEGORY_NOT_DIGIT: lambda ch: not ch.isdecimal(),
@@ -72,6 +73,8 @@ class RegexAutomaton:
         flags = parsed.state.flags
         if flags & re.IGNORECASE:
             raise InvalidRequestError("guided regex: the (?i) flag is not supported; spell the cases out")
+        if flags & ~(re.DOTALL | re.VERBOSE | re.MULTILINE | re.UNICODE):
+            raise InvalidRequestError("guided regex: only the flags (?s), (?x) and (?m) are supported")
         self._dotall = bool(flags & re.DOTALL)
         self._eps: list[list[int]] = []  # NFA: epsilon edges per state
         self._edges: list[list[tuple[CharClass, int]]] = []  # NFA: (class, target) edges per state
@@ -141,7 +144,9 @@ class RegexAutomaton:
             self._eps[src].append(end)
             return end
         if op is C.AT:
-            return src  # anchors: the match is whole-string anyway
+            if av in (C.AT_BOUNDARY, C.AT_NON_BOUNDARY):
+                raise InvalidRequestError("guided regex: word boundaries (\\b, \\B) are not supported")
+            return src  # ^ $ \A \Z: the match is whole-string anyway
         if op in _REFUSED:
             raise InvalidRequestError(f"guided regex: {_REFUSED[op]} are not supported (not a finite automaton's "
                                       f"language, or not the same language without backtracking)")

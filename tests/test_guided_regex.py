@@ -50,6 +50,8 @@ def test_a_prefix_is_live_exactly_when_some_continuation_can_match(pattern):
     (r"(?>a|ab)c", "atomic groups"),
     (r"a*+b", "possessive quantifiers"),
     (r"(?i)abc", "(?i)"),
+    (r"(?a)\w+", "only the flags"),
+    (r"a\bb", "word boundaries"),
     (r"a(?i:b)", "scoped flags"),
     (r"a[", "not a valid regular expression"),
     (r"(a{1000}){1000}", "too large"),
