@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import re._constants as C
 import re._parser as sre_parser
+import threading
 
 import numpy as np
 
@@ -80,6 +81,7 @@ class RegexAutomaton:
         self._edges: list[list[tuple[CharClass, int]]] = []  # NFA: (class, target) edges per state
         start = self._new()
         self._accept = self._build(parsed, start)
+        self._intern_lock = threading.Lock()
         self._sets: list[frozenset[int]] = []  # DFA state id -> its NFA states
         self._ids: dict[frozenset[int], int] = {}
         self._accepting: list[bool] = []
@@ -183,9 +185,12 @@ class RegexAutomaton:
             return DEAD
         found = self._ids.get(nfa_states)
         if found is None:
-            found = self._ids[nfa_states] = len(self._sets)
-            self._sets.append(nfa_states)
-            self._accepting.append(self._accept in nfa_states)
+            with self._intern_lock:  # one automaton serves every engine of the process that uses its pattern
+                found = self._ids.get(nfa_states)
+                if found is None:
+                    self._sets.append(nfa_states)
+                    self._accepting.append(self._accept in nfa_states)
+                    found = self._ids[nfa_states] = len(self._sets) - 1
         return found
 
     def step(self, state: int, ch: str) -> int:
