@@ -139,7 +139,8 @@ class Engine:
             request_id = uuid.uuid4().hex
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
         seq.bad_word_ids = self._bad_word_ids(params.bad_words)
-        seq.guided = self.guides.for_request(params.guided_decoding)
+        guide = self.guides.for_request(params.guided_decoding)
+        seq.guided = guide.start() if guide is not None else None
         return seq
 
     def make_sequences(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
@@ -163,7 +164,7 @@ class Engine:
             seq = Sequence(f"{base_id}/{index}", first.prompt_token_ids, params_i, first.times.arrival, index=index)
             seq.parent_id = base_id
             seq.bad_word_ids = first.bad_word_ids
-            seq.guided = first.guided
+            seq.guided = first.guided.start() if first.guided is not None else None
             seq.prefill_after = first if share_prompt else None
             seqs.append(seq)
         return seqs

@@ -16,6 +16,10 @@ class GuidedChoice:
         self.choices = sorted(set(choices))
         self.eos_token_ids = sorted(eos_token_ids)
 
+    def start(self) -> "GuidedChoice":
+        """A sequence's progress through the guide: the guide itself, which keeps none (see guided_regex.RegexCursor)."""
+        return self
+
     def allowed_tokens(self, output: list[int]) -> list[int]:
         """The tokens the next step may take after `output`."""
         done = len(output)

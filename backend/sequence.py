@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from .guided_choice import GuidedChoice
-from .guided_regex import GuidedRegex
+from .guided_regex import RegexCursor
 from .sampling_params import SamplingParams
 
 
@@ -71,7 +71,8 @@ class Sequence:
         # Output bookkeeping for streaming: how much the caller has already received.
         self.num_emitted_tokens = 0
         self.bad_word_ids: list[tuple[int, ...]] = []  # params.bad_words as token ids (set by the engine)
-        self.guided: GuidedChoice | GuidedRegex | None = None  # params.guided_decoding's guide (set by the engine)
+        # params.guided_decoding's guide, with this sequence's progress through it (set by the engine)
+        self.guided: GuidedChoice | RegexCursor | None = None
 
     @property
     def num_tokens(self) -> int:

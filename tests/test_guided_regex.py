@@ -4,6 +4,7 @@ transformers' generate constrained by that brute-force check."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -84,6 +85,20 @@ def test_allowed_tokens_are_exactly_those_that_keep_a_match_possible(vocabulary,
     guide = GuidedRegex(RegexAutomaton(pattern), vocabulary, eos_token_ids={0})
     expected = _brute_force_live(vocabulary, pattern, text) + ([0] if re.fullmatch(pattern, text) else [])
     assert guide.allowed_after(text).tolist() == sorted(expected)
+
+
+def test_a_sequence_cursor_agrees_with_walking_its_whole_output(tokenizer, vocabulary):
+    # The cursor walks only each step's new tokens; two cursors on one guide keep their own places.
+    guide = GuidedRegex(RegexAutomaton(r'\["[a-z ]*"(, "[a-z ]*"){0,40}\]'), vocabulary, eos_token_ids={0})
+    outputs = [tokenizer.encode(json.dumps(["the quick brown fox"] * 12), add_special_tokens=False),
+               tokenizer.encode('["over", "lazy dogs", "and', add_special_tokens=False) + [1234, 99]]
+    cursors = [guide.start(), guide.start()]
+    for length in range(max(map(len, outputs)) + 1):
+        for cursor, output in zip(cursors, outputs):
+            prefix = output[:length]
+            assert cursor.allowed_tokens(prefix).tolist() == guide.allowed_tokens(prefix).tolist()
+            assert cursor.is_complete(prefix) == guide.is_complete(prefix)
+    assert cursors[0].is_complete(outputs[0]) and guide.allowed_in(guide.automaton.walk("[1")).tolist() == [0]
 
 
 def test_special_and_partial_character_tokens_never_match(tokenizer, vocabulary):
