@@ -8,7 +8,8 @@ same tensors and in the same order (`LlamaDecoderLayer.forward` with the CPU ker
 results are bit for bit those of the modules; it needs:
 - float32 on CPU with our kernels (`meta.cpu_kernels`) and every linear on `cpu_gemm=avx512`;
 - one rank (tensor parallelism all-reduces between the ops);
-- attention through our paged kernel (`layers.attention.kernel_calls`).
+- attention through our paged kernel (`layers.attention.kernel_calls`);
+- no per-head query and key norms (Qwen3's).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class DecoderStack:
                 if lin.packed is None or lin.packed.kernel != "avx512":
                     return None
         first = layers[0]
+        if first.self_attn.q_norm is not None:  # the C++ layer has no per-head norms (Qwen3): the modules run
+            return None
         if first.input_layernorm.eps != first.post_attention_layernorm.eps:
             return None
         attn = first.self_attn

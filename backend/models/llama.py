@@ -1,7 +1,10 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) with fused QKV and gate/up projections.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) with fused QKV and gate/up projections.
 
 One GEMM computes Q, K and V together and one computes gate and up together; the results are
 split by views. The forward takes the step's flattened tokens; attention reads the paged KV pool.
+Qwen3 adds an RMSNorm over each query and key head before the rotary embedding (`q_norm`,
+`k_norm`). A sliding attention window is not computed here: the engine caps `max_model_len` at the
+window (`sliding_window`), within which the window changes nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,22 @@ from ..layers.rotary import RotaryEmbedding
 from ..tensor_parallel import SINGLE, TPShard
 from .decoder_stack import DecoderStack
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_HEAD_NORM_MODEL_TYPES = ("qwen3",)  # an RMSNorm over each query and key head before the rotary embedding
+
+
+def sliding_window(cfg) -> int | None:
+    """The attention window of a model whose layers (any of them) attend only to their last
+    `sliding_window` positions: Mistral's `sliding_window`, Qwen's layers of type "sliding_attention"."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    if cfg.model_type in ("qwen2", "qwen3"):  # configs without layer_types
+        return window if getattr(cfg, "use_sliding_window", False) else None
+    return window
 _EXACT_HEAD_MAX_ROWS = 2  # steps of up to this many rows take an exact-block LM head over the greedy screen
 
 
@@ -39,11 +57,18 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
         self.rotary = rotary
+        head_norms = cfg.model_type in _HEAD_NORM_MODEL_TYPES
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if head_norms else None
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if head_norms else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # in place, so the fused rotary + KV write below reads the normed heads
+            q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
+            qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
+            qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
         k_cache, v_cache = kv_cache
         if meta.cpu_kernels:  # rotary + KV write in one pass
             q = cpu_kernels.rope_write_kv(qkv, meta.rope_cos, meta.rope_sin, k_cache, v_cache, meta.slot_mapping,
@@ -228,6 +253,9 @@ class LlamaForCausalLM(nn.Module):
                 put(dst + "self_attn.qkv_proj.bias",
                     torch.cat([tensors.rows(attn + f"{p}_proj.bias", *qkv_rows[p]) for p in "qkv"], dim=0))
             put(dst + "self_attn.o_proj.weight", tensors.cols(attn + "o_proj.weight", *q_rows))
+            if self.layers[i].self_attn.q_norm is not None:  # per head: every rank holds the whole weight
+                put(dst + "self_attn.q_norm.weight", get(attn + "q_norm.weight"))
+                put(dst + "self_attn.k_norm.weight", get(attn + "k_norm.weight"))
             mlp = src + "mlp."
             put(dst + "mlp.gate_up_proj.weight",
                 torch.cat([tensors.rows(mlp + "gate_proj.weight", *mlp_rows),

@@ -1,0 +1,82 @@
+"""The Llama-family architectures the engine loads besides the default model (Llama with scaled rotary
+frequencies, Qwen2, Mistral, Qwen3): small random models written by transformers itself, whose greedy
+outputs through the engine must equal transformers' generate on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tritonllm.config import EngineConfig
+from tritonllm.engine import Engine
+from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+
+PROMPTS = ["The capital of France is a city that", "def fibonacci(n):", "Once upon a time, in a land far away, there"]
+MAX_TOKENS = 24
+
+
+def _common(tokenizer) -> dict:
+    return dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+
+
+FAMILIES = {
+    "llama3-rope": lambda c: transformers.LlamaConfig(**c, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "qwen2-qkv-bias": lambda c: transformers.Qwen2Config(**c),
+    "mistral": lambda c: transformers.MistralConfig(**c, sliding_window=None),
+    # Qwen3: per-head query/key norms, a head_dim that is not hidden / heads, a tied LM head.
+    "qwen3": lambda c: transformers.Qwen3Config(**{**c, "tie_word_embeddings": True}, head_dim=32),
+}
+
+
+def _write_model(config, tokenizer, folder):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # weights large enough that the tiny model's choices are far from ties
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def _reference(model, ids: list[int], max_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+def test_greedy_outputs_equal_transformers(family, cpu_kernels, tokenizer, tmp_path):
+    model = _write_model(FAMILIES[family](_common(tokenizer)), tokenizer, tmp_path)
+    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+                                 cpu_kernels=cpu_kernels))
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    outs = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    for ids, out in zip(prompts, outs):  # batched together, each against its own generate
+        assert out.token_ids == _reference(model, ids, MAX_TOKENS)
+
+
+def test_a_sliding_window_caps_max_model_len_where_outputs_stay_exact(tokenizer, tmp_path):
+    # Within the window a sliding-window layer attends to every earlier position, as ours do; past it
+    # the outputs would differ, so no sequence goes past it.
+    window = 32
+    model = _write_model(transformers.MistralConfig(**_common(tokenizer), sliding_window=window), tokenizer, tmp_path)
+    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
+    assert engine.max_model_len == window
+    ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=64, ignore_eos=True))
+    assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == window
+    assert out.token_ids == _reference(model, ids, window - len(ids))
+    with pytest.raises(InvalidRequestError, match="max_model_len is 32"):
+        engine.generate(prompt_token_ids=[list(range(100, 100 + window))], params=SamplingParams(max_tokens=4))
+
+
+def test_an_unknown_architecture_is_refused_by_name(tokenizer, tmp_path):
+    _write_model(transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=1, n_head=2), tokenizer, tmp_path)
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256))
