@@ -23,7 +23,7 @@ from .guided_decoding import Guides
 from .loader import load_hf_config, load_tokenizer
 from .model_files import resolve_model_dir
 from .model_runner import ModelRunner
-from .models.llama import sliding_window
+from .models.llama import exact_context_limit
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
@@ -55,12 +55,10 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         hf_config = load_hf_config(self.model_dir)
         self.max_model_len = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", config.max_model_len))
-        window = sliding_window(hf_config)
-        if window and window < self.max_model_len:
-            # Within the window a sliding-window layer attends to every earlier position, as ours do.
-            logger.warning("the model's layers attend to their last %d positions only: max_model_len %d -> %d",
-                           window, self.max_model_len, window)
-            self.max_model_len = window
+        limit = exact_context_limit(hf_config)
+        if limit is not None and limit[0] < self.max_model_len:  # past it our outputs would not be the model's
+            logger.warning("%s: max_model_len %d -> %d", limit[1], self.max_model_len, limit[0])
+            self.max_model_len = limit[0]
         self.eos_token_ids = self._eos_ids(hf_config)
         self.guides = Guides(self.tokenizer, self.eos_token_ids)
         self.runner = ModelRunner(config, self.model_dir, self.device, self.dtype, self.max_model_len, self.eos_token_ids)

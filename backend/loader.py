@@ -27,6 +27,9 @@ class _SafetensorsIndex:
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where = {name: h for h in self._handles for name in h.keys()}
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"weight {name!r} not found in the checkpoint")

@@ -1,6 +1,6 @@
 """The Llama-family architectures the engine loads besides the default model (Llama with scaled rotary
-frequencies, Qwen2, Mistral, Qwen3): small random models written by transformers itself, whose greedy
-outputs through the engine must equal transformers' generate on the same weights."""
+frequencies, Qwen2, Mistral, Qwen3, Phi-3): small random models written by transformers itself, whose
+greedy outputs through the engine must equal transformers' generate on the same weights."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ FAMILIES = {
     "mistral": lambda c: transformers.MistralConfig(**c, sliding_window=None),
     # Qwen3: per-head query/key norms, a head_dim that is not hidden / heads, a tied LM head.
     "qwen3": lambda c: transformers.Qwen3Config(**{**c, "tie_word_embeddings": True}, head_dim=32),
+    # Phi-3: Q, K, V and gate, up fused in the checkpoint itself.
+    "phi3": lambda c: transformers.Phi3Config(**c, sliding_window=None),
 }
 
 
@@ -61,22 +63,52 @@ def test_greedy_outputs_equal_transformers(family, cpu_kernels, tokenizer, tmp_p
         assert out.token_ids == _reference(model, ids, MAX_TOKENS)
 
 
-def test_a_sliding_window_caps_max_model_len_where_outputs_stay_exact(tokenizer, tmp_path):
-    # Within the window a sliding-window layer attends to every earlier position, as ours do; past it
-    # the outputs would differ, so no sequence goes past it.
-    window = 32
-    model = _write_model(transformers.MistralConfig(**_common(tokenizer), sliding_window=window), tokenizer, tmp_path)
+LIMITED = {
+    # Within the window a sliding-window layer attends to every earlier position, as ours do.
+    "mistral-sliding-window": lambda c: transformers.MistralConfig(**c, sliding_window=32),
+    # longrope: the short frequencies up to the original context, the long ones past it.
+    "phi3-longrope": lambda c: transformers.Phi3Config(**c, sliding_window=None, original_max_position_embeddings=32,
+                                                       rope_scaling={"rope_type": "longrope",
+        "short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [4.0 + i for i in range(8)]}),
+}
+
+
+@pytest.mark.parametrize("family", LIMITED)
+def test_max_model_len_is_capped_where_outputs_would_stop_being_exact(family, tokenizer, tmp_path):
+    model = _write_model(LIMITED[family](_common(tokenizer)), tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
-    assert engine.max_model_len == window
+    assert engine.max_model_len == 32
     ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=64, ignore_eos=True))
-    assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == window
-    assert out.token_ids == _reference(model, ids, window - len(ids))
+    assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == 32
+    assert out.token_ids == _reference(model, ids, 32 - len(ids))
     with pytest.raises(InvalidRequestError, match="max_model_len is 32"):
-        engine.generate(prompt_token_ids=[list(range(100, 100 + window))], params=SamplingParams(max_tokens=4))
+        engine.generate(prompt_token_ids=[list(range(100, 132))], params=SamplingParams(max_tokens=4))
 
 
-def test_an_unknown_architecture_is_refused_by_name(tokenizer, tmp_path):
-    _write_model(transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=1, n_head=2), tokenizer, tmp_path)
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+@pytest.mark.parametrize("config, message", [
+    (lambda c: transformers.GPT2Config(vocab_size=c["vocab_size"], n_embd=64, n_layer=1, n_head=2),
+     "model_type 'gpt2' is not supported"),
+    (lambda c: transformers.Phi3Config(**c, partial_rotary_factor=0.5), r"partial rotary embedding \(partial_rotary_factor=0.5\)"),
+    (lambda c: transformers.LlamaConfig(**c, hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+])
+def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, tokenizer, tmp_path):
+    _write_model(config(_common(tokenizer)), tokenizer, tmp_path)
+    with pytest.raises(ValueError, match=message):
         Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokenizer, tmp_path):
+    # Each rank reads its own query/key/value heads and MLP columns: from the fused Phi-3 tensors by
+    # offset, and Qwen3's head norms whole.
+    model = _write_model(FAMILIES[family](_common(tokenizer)), tokenizer, tmp_path)
+    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+                                 tensor_parallel_size=2))
+    try:
+        prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:2]]
+        outs = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    finally:
+        engine.close()
+    for ids, out in zip(prompts, outs):
+        assert out.token_ids == _reference(model, ids, MAX_TOKENS)

@@ -1,10 +1,14 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) with fused QKV and gate/up projections.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) with fused QKV and gate/up projections.
 
 One GEMM computes Q, K and V together and one computes gate and up together; the results are
-split by views. The forward takes the step's flattened tokens; attention reads the paged KV pool.
-Qwen3 adds an RMSNorm over each query and key head before the rotary embedding (`q_norm`,
-`k_norm`). A sliding attention window is not computed here: the engine caps `max_model_len` at the
-window (`sliding_window`), within which the window changes nothing.
+split by views (Phi-3 checkpoints hold them fused already). The forward takes the step's flattened
+tokens; attention reads the paged KV pool. Qwen3 adds an RMSNorm over each query and key head
+before the rotary embedding (`q_norm`, `k_norm`).
+
+Two things some of these models do past a length are not computed here: a sliding attention
+window, and rotary frequencies that switch once a sequence outgrows the original context
+(`longrope`). The engine caps `max_model_len` where they start (`exact_context_limit`), so within
+it the outputs are the model's own.
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ from ..layers.rotary import RotaryEmbedding
 from ..tensor_parallel import SINGLE, TPShard
 from .decoder_stack import DecoderStack
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 _HEAD_NORM_MODEL_TYPES = ("qwen3",)  # an RMSNorm over each query and key head before the rotary embedding
 
 
 def sliding_window(cfg) -> int | None:
     """The attention window of a model whose layers (any of them) attend only to their last
-    `sliding_window` positions: Mistral's `sliding_window`, Qwen's layers of type "sliding_attention"."""
+    `sliding_window` positions: Mistral's and Phi-3's `sliding_window`, Qwen's "sliding_attention" layers."""
     window = getattr(cfg, "sliding_window", None)
     if not window:
         return None
@@ -38,6 +42,25 @@ def sliding_window(cfg) -> int | None:
     if cfg.model_type in ("qwen2", "qwen3"):  # configs without layer_types
         return window if getattr(cfg, "use_sliding_window", False) else None
     return window
+
+
+def exact_context_limit(cfg) -> tuple[int, str] | None:
+    """The longest sequence (prompt + output) over which this module computes what the model does, and why
+    it stops there; None: no limit besides max_position_embeddings.
+
+    Within a sliding window a layer attends to every earlier position, as ours do. `longrope` rotary
+    frequencies (Phi-3's long-context variants) are the short ones up to the original context,
+    which are the ones our fixed table holds.
+    """
+    limits = []
+    window = sliding_window(cfg)
+    if window:
+        limits.append((window, f"the model's layers attend to their last {window} positions only"))
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if params.get("rope_type") == "longrope":
+        original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings")
+        limits.append((original, f"its longrope frequencies change past {original} positions"))
+    return min(limits) if limits else None
 _EXACT_HEAD_MAX_ROWS = 2  # steps of up to this many rows take an exact-block LM head over the greedy screen
 
 
@@ -136,6 +159,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {cfg.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        if partial != 1.0:  # our rotary (and its CPU kernel) turns every dimension of a head
+            raise ValueError(f"a partial rotary embedding (partial_rotary_factor={partial}) is not supported")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu only)")
         self.config = cfg
         self.tp = tp
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -237,6 +266,16 @@ class LlamaForCausalLM(nn.Module):
         kv_rows = (kv_start * d, kv_end * d)
         mlp_rows = tp.split(cfg.intermediate_size)
         get = tensors.__getitem__
+
+        def qkv_part(attn: str, kind: str) -> torch.Tensor:
+            """This rank's Q, K and V rows, from q/k/v_proj or from a fused qkv_proj (Phi-3)."""
+            fused = f"{attn}qkv_proj.{kind}"
+            if fused in tensors:
+                k_at, v_at = cfg.num_attention_heads * d, (cfg.num_attention_heads + cfg.num_key_value_heads) * d
+                spans = (q_rows, (k_at + kv_rows[0], k_at + kv_rows[1]), (v_at + kv_rows[0], v_at + kv_rows[1]))
+                return torch.cat([tensors.rows(fused, *span) for span in spans], dim=0)
+            spans = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+            return torch.cat([tensors.rows(f"{attn}{p}_proj.{kind}", *spans[p]) for p in "qkv"], dim=0)
         put("embed_tokens.weight", get("model.embed_tokens.weight"))
         put("norm.weight", get("model.norm.weight"))
         if self.lm_head is not None:
@@ -246,20 +285,22 @@ class LlamaForCausalLM(nn.Module):
             put(dst + "input_layernorm.weight", get(src + "input_layernorm.weight"))
             put(dst + "post_attention_layernorm.weight", get(src + "post_attention_layernorm.weight"))
             attn = src + "self_attn."
-            qkv_rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
-            put(dst + "self_attn.qkv_proj.weight",
-                torch.cat([tensors.rows(attn + f"{p}_proj.weight", *qkv_rows[p]) for p in "qkv"], dim=0))
+            put(dst + "self_attn.qkv_proj.weight", qkv_part(attn, "weight"))
             if self.layers[i].self_attn.qkv_proj.bias is not None:
-                put(dst + "self_attn.qkv_proj.bias",
-                    torch.cat([tensors.rows(attn + f"{p}_proj.bias", *qkv_rows[p]) for p in "qkv"], dim=0))
+                put(dst + "self_attn.qkv_proj.bias", qkv_part(attn, "bias"))
             put(dst + "self_attn.o_proj.weight", tensors.cols(attn + "o_proj.weight", *q_rows))
             if self.layers[i].self_attn.q_norm is not None:  # per head: every rank holds the whole weight
                 put(dst + "self_attn.q_norm.weight", get(attn + "q_norm.weight"))
                 put(dst + "self_attn.k_norm.weight", get(attn + "k_norm.weight"))
             mlp = src + "mlp."
-            put(dst + "mlp.gate_up_proj.weight",
-                torch.cat([tensors.rows(mlp + "gate_proj.weight", *mlp_rows),
-                           tensors.rows(mlp + "up_proj.weight", *mlp_rows)], dim=0))
+            if mlp + "gate_up_proj.weight" in tensors:  # fused in the checkpoint (Phi-3): gate rows, then up rows
+                fused, size = mlp + "gate_up_proj.weight", cfg.intermediate_size
+                put(dst + "mlp.gate_up_proj.weight", torch.cat([tensors.rows(fused, *mlp_rows),
+                                                                tensors.rows(fused, size + mlp_rows[0], size + mlp_rows[1])]))
+            else:
+                put(dst + "mlp.gate_up_proj.weight",
+                    torch.cat([tensors.rows(mlp + "gate_proj.weight", *mlp_rows),
+                               tensors.rows(mlp + "up_proj.weight", *mlp_rows)], dim=0))
             put(dst + "mlp.down_proj.weight", tensors.cols(mlp + "down_proj.weight", *mlp_rows))
         missing = sorted(set(own) - loaded)
         if missing:
