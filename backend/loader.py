@@ -26,6 +26,11 @@ class _SafetensorsIndex:
             raise FileNotFoundError(f"no .safetensors files in {folder} (pickled weights are not loaded)")
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where = {name: h for h in self._handles for name in h.keys()}
+        self.read: set[str] = set()  # names read so far, whole or in part
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._where)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -33,6 +38,7 @@ class _SafetensorsIndex:
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise KeyError(f"weight {name!r} not found in the checkpoint")
+        self.read.add(name)
         return self._where[name].get_tensor(name)
 
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
@@ -45,6 +51,7 @@ class _SafetensorsIndex:
     def _slice(self, name: str):
         if name not in self._where:
             raise KeyError(f"weight {name!r} not found in the checkpoint")
+        self.read.add(name)
         return self._where[name].get_slice(name)
 
 
@@ -70,7 +77,9 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     """
     cfg = load_hf_config(folder)
     model = LlamaForCausalLM(cfg, max_position, tp)
-    model.load_hf_state_dict(_SafetensorsIndex(folder))
+    tensors = _SafetensorsIndex(folder)
+    model.load_hf_state_dict(tensors)
+    _refuse_unused_weights(tensors, tied_head=model.tie_word_embeddings)
     # The rotary cos/sin tables stay float32 (cast per use) for accuracy in half precision.
     cos, sin = model.rotary.cos, model.rotary.sin
     model = model.to(device=device, dtype=dtype)
@@ -87,6 +96,17 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     if kernel != "aten":
         model.pack_for_cpu(kernel, batch_hint, exact_blocks)
     return model
+
+
+def _refuse_unused_weights(tensors: _SafetensorsIndex, tied_head: bool) -> None:
+    """A checkpoint weight the model did not read is a part it would not compute (an MLP bias, a norm of
+    an architecture variant): refused by name rather than served wrong. Ignored: rotary frequency
+    buffers some checkpoints save, and an LM head saved beside the embeddings it is tied to."""
+    unused = sorted(name for name in tensors.names - tensors.read
+                    if not name.endswith("rotary_emb.inv_freq") and not (tied_head and name == "lm_head.weight"))
+    if unused:
+        raise ValueError(f"{len(unused)} checkpoint weights are not used by this model's architecture, so it "
+                         f"cannot be computed as trained: {unused[:5]}")
 
 
 def load_tokenizer(folder: Path):

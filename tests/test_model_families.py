@@ -91,6 +91,8 @@ def test_max_model_len_is_capped_where_outputs_would_stop_being_exact(family, to
      "model_type 'gpt2' is not supported"),
     (lambda c: transformers.Phi3Config(**c, partial_rotary_factor=0.5), r"partial rotary embedding \(partial_rotary_factor=0.5\)"),
     (lambda c: transformers.LlamaConfig(**c, hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    # A part the layers do not compute: its weights are in the checkpoint and would go unread.
+    (lambda c: transformers.LlamaConfig(**c, mlp_bias=True), r"6 checkpoint weights are not used .*mlp\.down_proj\.bias"),
 ])
 def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, tokenizer, tmp_path):
     _write_model(config(_common(tokenizer)), tokenizer, tmp_path)
