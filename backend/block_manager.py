@@ -110,7 +110,7 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """The longest cached prefix of `seq`, whole blocks then part of one (never its last token)."""
         match = PrefixMatch(block_size=self.block_size)
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:  # it scores every prompt position
             return match
         bs = self.block_size
         tokens = seq.token_ids

@@ -40,6 +40,7 @@ class _StreamState:
     text: str = ""  # generated text so far (stop string excluded once found)
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
+    prompt_logprobs_sent: bool = False
 
 
 class Engine:
@@ -277,13 +278,16 @@ class Engine:
         if reason is None:
             if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
+        prompt_logprobs = self._take_prompt_logprobs(seq, state)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            return self._retire(seq, *self._new_tokens(seq, state), self._new_text(state, p.stop, final=True))
+            out = self._retire(seq, *self._new_tokens(seq, state), self._new_text(state, p.stop, final=True))
+            out.prompt_logprobs = prompt_logprobs
+            return out
         new_ids, new_lps, new_tops = self._new_tokens(seq, state)
         return RequestOutput(seq.request_id, new_ids, new_lps, self._new_text(state, p.stop, final=False), False, None,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
-                             new_top_logprobs=new_tops, index=seq.index)
+                             new_top_logprobs=new_tops, index=seq.index, prompt_logprobs=prompt_logprobs)
 
     @staticmethod
     def _check_stop_strings(state: _StreamState, stops: list[str], include: bool) -> FinishReason | None:
@@ -301,6 +305,15 @@ class Engine:
         start = state.num_emitted_tokens
         state.num_emitted_tokens = seq.num_output_tokens
         return seq.output_token_ids[start:], seq.output_logprobs[start:], seq.output_top_logprobs[start:]
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence, state: _StreamState) -> list | None:
+        """The prompt's scores (None for its first token, which nothing precedes), once: with the first
+        output token, when the whole prompt has been computed."""
+        if not seq.wants_prompt_logprobs or state.prompt_logprobs_sent:
+            return None
+        state.prompt_logprobs_sent = True
+        return [None] + seq.prompt_logprobs
 
     @staticmethod
     def _new_text(state: _StreamState, stops: list[str], final: bool) -> str:
@@ -339,11 +352,16 @@ class Engine:
         n = len(inputs)
         params_list = params if isinstance(params, list) else [params] * n
         ids = []
-        for i in range(n):
-            kwargs = {"prompt_token_ids": inputs[i]} if prompt_token_ids is not None else {}
-            ids.extend(seq.request_id for seq in self._add(None if prompt_token_ids is not None else inputs[i],
-                                                           params_list[i], apply_chat_template=apply_chat_template,
-                                                           **kwargs))
+        try:
+            for i in range(n):
+                kwargs = {"prompt_token_ids": inputs[i]} if prompt_token_ids is not None else {}
+                ids.extend(seq.request_id for seq in self._add(None if prompt_token_ids is not None else inputs[i],
+                                                               params_list[i], apply_chat_template=apply_chat_template,
+                                                               **kwargs))
+        except InvalidRequestError:  # one bad prompt: none of the call's prompts runs
+            for request_id in ids:
+                self.abort(request_id)
+            raise
         return self._collect(ids)
 
     def _collect(self, ids: list[str]) -> list[CompletionOutput]:
@@ -360,6 +378,8 @@ class Engine:
                 c.token_ids += out.new_token_ids
                 c.logprobs += out.new_logprobs
                 c.top_logprobs += out.new_top_logprobs
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
                 c.text += out.new_text
                 if out.finished:
                     c.finish_reason = out.finish_reason

@@ -21,6 +21,7 @@ from . import device as devices
 from .config import EngineConfig
 from .loader import load_hf_config, load_model
 from .logit_adjustments import LogitAdjustments
+from .prompt_logprobs import positions_to_score, score_prompts
 from .sampler import SamplingBatch, choose_tokens, ranking_logprobs, top_logprobs, unpack_tokens
 from .scheduler import ScheduledSeq
 from .step_inputs import MAX_DECODE_GROUPS, DeviceStep, HostStep, build_host_step, copy_kv_slots, to_device
@@ -36,6 +37,7 @@ class StepInputs:
     device: DeviceStep
     sampled: list[ScheduledSeq]  # in the order of logits_rows
     sampling: SamplingBatch
+    scored: list[ScheduledSeq]  # sequences whose prompt positions this step scores (prompt_logprobs.py)
 
 
 def allocate_kv_pool(model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
@@ -157,7 +159,9 @@ class ModelRunner:
     # ---- inputs ------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         host, sampled = build_host_step(scheduled, self.block_size, self.max_decode_groups)
-        return StepInputs(host, to_device(host, self.device, self.use_cpu_kernels), sampled, self._sampling_batch(sampled))
+        scored = [item for item in scheduled if positions_to_score(item)]
+        return StepInputs(host, to_device(host, self.device, self.use_cpu_kernels), sampled, self._sampling_batch(sampled),
+                          scored)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -217,6 +221,8 @@ class ModelRunner:
                 if self.failure:
                     raise TensorParallelError(self.failure) from exc
                 raise
+        if inputs.scored:
+            score_prompts(self.model, hidden, inputs.scored)
         if not inputs.sampled:
             return [], [], []
         wants_logprob = [it.seq.params.logprobs for it in inputs.sampled]

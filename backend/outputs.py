@@ -25,6 +25,9 @@ class RequestOutput:
     # likely tokens, then of the chosen one if it is not among them.
     new_top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
     index: int = 0  # which of the request's n completions (request_id is then "<request>/<index>")
+    # With prompt_logprobs, in the request's first output (completion 0): per prompt token, None for the
+    # first, then entries as new_top_logprobs' for the prompt's own token (prompt_logprobs.py).
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -41,3 +44,4 @@ class CompletionOutput:
     times: dict[str, float] = field(default_factory=dict)
     top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)  # per token, if asked
     index: int = 0  # which of the prompt's n completions
+    prompt_logprobs: list | None = None  # if asked (completion 0 only): as RequestOutput's

@@ -102,7 +102,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
                 raise InvalidRequestError("sampling_parameters must be a JSON object")
             sampling.update(from_json)
     # vLLM-backend clients send numbers as strings sometimes ("max_tokens": "32").
-    for key in ("max_tokens", "min_tokens", "top_k", "seed", "priority", "logprobs", "n", "best_of",
+    for key in ("max_tokens", "min_tokens", "top_k", "seed", "priority", "logprobs", "prompt_logprobs", "n", "best_of",
                 "truncate_prompt_tokens"):
         if isinstance(sampling.get(key), str) and sampling[key].lstrip("-").isdigit():
             sampling[key] = int(sampling[key])

@@ -4,6 +4,8 @@ The tensors are those of Triton's vLLM backend, with one element per completion 
 `text_output` (each completion's new text when streaming, its whole text otherwise),
 `finish_reason`, `cumulative_logprob`, `num_output_tokens` (this response's tokens of each
 completion) and `logprobs` (JSON, per completion); `num_input_tokens` once. Ours besides:
+`prompt_logprobs` (JSON, once, in the first response after the prompt is computed, when the
+sampling parameter `prompt_logprobs` asks);
 `output_ids` and `output_log_probs` hold the completions' tokens one after another in index
 order (`num_output_tokens` says how many are each one's; with n = 1 they are simply the tokens).
 
@@ -45,6 +47,7 @@ class ResponseAssembler:
         self.completions = [_Completion() for _ in range(parsed.params.n)]
         self.num_prompt_tokens = 0
         self._num_finished = 0
+        self._prompt_logprobs: list | None = None  # arrived, not yet sent
         # Not streaming, the prompt leads each full text unless exclude_input_in_output (vLLM backend's).
         self._prompt_prefix = (parsed.prompt or "") if not parsed.exclude_input_in_output and not parsed.stream else ""
 
@@ -65,6 +68,8 @@ class ResponseAssembler:
         c.ids += out.new_token_ids
         c.logprobs += out.new_logprobs
         c.top_logprobs += out.new_top_logprobs
+        if out.prompt_logprobs is not None:
+            self._prompt_logprobs = out.prompt_logprobs
         if self.parsed.return_cumulative_logprob:
             c.cumulative_logprob += math.fsum(out.new_logprobs)
         if out.finished and not c.finished:
@@ -96,6 +101,10 @@ class ResponseAssembler:
             outputs["num_input_tokens"] = np.array([self.num_prompt_tokens], dtype=np.uint32)
         if p.return_num_output_tokens:  # this response's, as the vLLM backend: a stream's sum is the total
             outputs["num_output_tokens"] = np.array([len(c.ids) for c in cs], dtype=np.uint32)
+        if self._prompt_logprobs is not None:
+            scored = [None if entries is None else self._token_entries(entries) for entries in self._prompt_logprobs]
+            outputs["prompt_logprobs"] = np.array([json.dumps(scored).encode("utf-8")], dtype=np.object_)
+            self._prompt_logprobs = None
         for c in cs:
             c.text, c.ids, c.logprobs, c.top_logprobs = [], [], [], []
         return outputs
@@ -115,5 +124,7 @@ class ResponseAssembler:
 
     def _logprobs_json(self, top_logprobs: list) -> bytes:
         """The vLLM backend's `logprobs`: per token {token id: {logprob, rank, decoded_token}}."""
-        return json.dumps([{str(t): {"logprob": lp, "rank": rank, "decoded_token": self._decode([t])}
-                            for t, lp, rank in entries} for entries in top_logprobs]).encode("utf-8")
+        return json.dumps([self._token_entries(entries) for entries in top_logprobs]).encode("utf-8")
+
+    def _token_entries(self, entries: list[tuple[int, float, int]]) -> dict:
+        return {str(t): {"logprob": lp, "rank": rank, "decoded_token": self._decode([t])} for t, lp, rank in entries}

@@ -51,6 +51,9 @@ class SamplingParams:
     # Also the log-probs of the N most likely tokens (and the chosen one's rank) at each output token:
     # vLLM's `logprobs: N` in JSON. None: off.
     top_logprobs: int | None = None
+    # vLLM's `prompt_logprobs: N`: each prompt token's log-prob and rank, and the N most likely tokens
+    # at its place (prompt_logprobs.py). None: off.
+    prompt_logprobs: int | None = None
     # Constrained output (vLLM's guided_decoding, also sent as structured_outputs): {"choice": [strings]},
     # {"regex": pattern}, {"json": schema} or {"json_object": true} (guided_decoding.py). None: free.
     guided_decoding: dict | None = None
@@ -88,6 +91,9 @@ class SamplingParams:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(f"logprobs (top_logprobs: how many top log-probs) must be an integer in "
                                       f"[0, {MAX_TOP_LOGPROBS}], got {n!r}")
+        n = self.prompt_logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         for name in ("ignore_eos", "skip_special_tokens", "logprobs", "include_stop_str_in_output"):

@@ -22,6 +22,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
     kv_copy: KVCopy | None = None  # prefix K/V to copy into the sequence's block before the forward
+    first_row: int = -1  # its first token's row among the step's flat tokens (set by step_inputs)
 
     @property
     def samples(self) -> bool:

@@ -73,6 +73,9 @@ class Sequence:
         self.bad_word_ids: list[tuple[int, ...]] = []  # params.bad_words as token ids (set by the engine)
         # params.guided_decoding's guide, with this sequence's progress through it (set by the engine)
         self.guided: GuidedChoice | RegexCursor | None = None
+        # params.prompt_logprobs: per prompt position p < num_prompt_tokens - 1, the entries scoring token
+        # p + 1 (prompt_logprobs.py), filled as the prompt's chunks run
+        self.prompt_logprobs: list[list[tuple[int, float, int]]] = []
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +88,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether this sequence scores its prompt: asked for, and the first of the request's completions
+        (the others share the same prompt)."""
+        return self.params.prompt_logprobs is not None and self.index == 0
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -69,6 +69,7 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
     sampled: list[ScheduledSeq] = []
     for item in decodes + prefills:
         seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+        item.first_row = len(input_ids)
         input_ids.extend(seq.token_ids[start:start + n])
         pos = np.arange(start, start + n)
         table = np.asarray(seq.block_table)
