@@ -95,7 +95,8 @@ class GuidedRegex:
         self._table = np.zeros((0, len(vocabulary.alphabet)), dtype=np.int64)
         self._has_row = np.zeros(0, dtype=bool)
 
-    def _text(self, output: list[int]) -> str:
+    def text_of(self, output: list[int]) -> str:
+        """The text of output tokens as the automaton reads it (tokens without text add none)."""
         texts = self.vocabulary.texts
         return "".join(texts[t] for t in output if texts[t])
 
@@ -124,7 +125,7 @@ class GuidedRegex:
 
     def allowed_tokens(self, output: list[int]) -> np.ndarray:
         """The tokens the next step may take after `output`: end of sequence where it matches."""
-        return self.allowed_in(self.automaton.walk(self._text(output)))
+        return self.allowed_in(self.automaton.walk(self.text_of(output)))
 
     def allowed_after(self, text: str) -> np.ndarray:
         """The tokens that may follow an output whose text is `text` (sorted ids)."""
@@ -141,7 +142,7 @@ class GuidedRegex:
 
     def is_complete(self, output: list[int]) -> bool:
         """Whether `output` matches and no token can extend it: nothing more may follow."""
-        return self.complete_in(self.automaton.walk(self._text(output)))
+        return self.complete_in(self.automaton.walk(self.text_of(output)))
 
     def complete_in(self, state: int) -> bool:
         return self.automaton.is_accepting(state) and not len(self._live_tokens(state))
@@ -168,7 +169,7 @@ class RegexCursor:
         if len(output) < self._walked:  # defensively: an output never shrinks, but then walk it again
             self._walked, self._state = 0, self.guide.automaton.start
         if len(output) > self._walked and self._state != DEAD:
-            self._state = self.guide.automaton.walk(self.guide._text(output[self._walked:]), self._state)
+            self._state = self.guide.automaton.walk(self.guide.text_of(output[self._walked:]), self._state)
         self._walked = len(output)
         return self._state
 
