@@ -21,8 +21,8 @@ class RequestOutput:
     times: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when the request failed in the engine; the caller gets this message
     error_kind: str | None = None  # "InvalidRequestError", "QueueFullError" or "EngineDeadError"
-    # Per new token, when the request asked (top_logprobs): (token id, log-prob, rank) of the most
-    # likely tokens, then of the chosen one if it is not among them.
+    # Per new token, when the request asked (top_logprobs): (token id, log-prob, rank) of the chosen
+    # token, then of the rest of the N most likely tokens (sampler.token_first_entries).
     new_top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
     index: int = 0  # which of the request's n completions (request_id is then "<request>/<index>")
     # With prompt_logprobs, in the request's first output (completion 0): per prompt token, None for the

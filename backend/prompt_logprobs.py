@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .sampler import token_first_entries
 from .scheduler import ScheduledSeq
 
 _ROWS_PER_PASS = 256  # rows of [vocab] float32 logits held at once (256 x 49,152: 50 MB)
@@ -30,8 +31,8 @@ def positions_to_score(item: ScheduledSeq) -> range:
 
 def score_prompts(model, hidden: torch.Tensor, scheduled: list[ScheduledSeq]) -> None:
     """Append each asking sequence's entries for this step's prompt positions to `seq.prompt_logprobs`:
-    per position [(token id, log-prob, rank)] for its N most likely tokens, then the prompt's own token
-    when it is not among them (rank: 1 + the tokens more likely than it)."""
+    per position [(token id, log-prob, rank)] of the prompt's own token, then of the rest of the N
+    most likely tokens (`sampler.token_first_entries`)."""
     for item in scheduled:
         positions = positions_to_score(item)
         if not positions:
@@ -49,8 +50,4 @@ def score_prompts(model, hidden: torch.Tensor, scheduled: list[ScheduledSeq]) ->
             ranks = ((logprobs > target_lp).sum(dim=-1) + 1).tolist()
             values, ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], logprobs[:, :0].long())
             for i, (target, lp, rank) in enumerate(zip(targets.tolist(), target_lp[:, 0].tolist(), ranks)):
-                top_ids = ids[i].tolist()
-                entries = [(t, v, r + 1) for r, (t, v) in enumerate(zip(top_ids, values[i].tolist()))]
-                if target not in top_ids:
-                    entries.append((target, lp, rank))
-                seq.prompt_logprobs.append(entries)
+                seq.prompt_logprobs.append(token_first_entries(target, lp, rank, ids[i].tolist(), values[i].tolist()))

@@ -77,22 +77,27 @@ def ranking_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     return torch.log_softmax(changed[batch.ranked_rows], dim=-1)
 
 
+def token_first_entries(token: int, token_lp: float, token_rank: int, top_ids: list[int],
+                        top_values: list[float]) -> list[tuple[int, float, int]]:
+    """(token id, log-prob, rank) of `token` itself, then of the other tokens of `top_ids` (the N most
+    likely), as vLLM lists them: a reader finds the chosen (or prompt) token first, and N or N + 1 entries. `token_rank` (1 + the tokens
+    more likely than it) is used when it is not among `top_ids`; within them it keeps its place there."""
+    top = [(t, lp, r + 1) for r, (t, lp) in enumerate(zip(top_ids, top_values))]
+    own = next((e for e in top if e[0] == token), (token, token_lp, token_rank))
+    return [own] + [e for e in top if e[0] != token]
+
+
 def top_logprobs(logprobs: torch.Tensor, batch: SamplingBatch, chosen_ids: list[int]) -> list[list[tuple[int, float, int]]]:
-    """Per ranked row: (token id, log-prob, rank) of its N most likely tokens, then of the chosen
-    token when it is not among them (its rank: 1 + the tokens more likely than it)."""
+    """Per ranked row: (token id, log-prob, rank) of the chosen token, then of the rest of its N
+    most likely tokens (`token_first_entries`)."""
     chosen = torch.tensor([chosen_ids[r] for r in batch.ranked_rows], device=logprobs.device)
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
     ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
     k = max(batch.ranked_counts)
     values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], chosen.unsqueeze(1)[:, :0])
-    out = []
-    for i, (row, n) in enumerate(zip(batch.ranked_rows, batch.ranked_counts)):
-        top_ids = ids[i, :n].tolist()
-        entries = [(t, lp, r + 1) for r, (t, lp) in enumerate(zip(top_ids, values[i, :n].tolist()))]
-        if chosen_ids[row] not in top_ids:
-            entries.append((chosen_ids[row], float(chosen_lp[i, 0]), ranks[i]))
-        out.append(entries)
-    return out
+    return [token_first_entries(chosen_ids[row], float(chosen_lp[i, 0]), ranks[i], ids[i, :n].tolist(),
+                                values[i, :n].tolist())
+            for i, (row, n) in enumerate(zip(batch.ranked_rows, batch.ranked_counts))]
 
 
 _TOP_P_WINDOW = 256  # top_p's cut is looked for among a row's most likely tokens first (see _top_p)

@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="> 1 discourages tokens already in the prompt or output (default 1 = off)")
     g.add_argument("--priority", type=int, default=None)
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="after the text, each output token's log-prob and rank and the N most likely tokens")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="after the text, each prompt token's log-prob and rank and the N most likely tokens "
+                        "(the prompt as the model sees it, chat template included)")
     g.add_argument("--param", action="append", type=_sampling_param, default=[], metavar="NAME=VALUE",
                    help="any other sampling parameter, the value as JSON where it parses (repeatable): "
                         "--param top_p=0.9 --param 'logit_bias={\"28\": -100}' --param seed=7")
@@ -99,11 +104,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def format_logprobs(title: str, positions: list) -> str:
+    """One line per token: its text, log-prob and rank, then the other likely tokens with theirs.
+
+    `positions` holds the server's per-token objects ({token id: {logprob, rank, decoded_token}},
+    the token itself first); None (the prompt's first token, which nothing scores) prints as '-'.
+    """
+    lines = [f"{title} (token, log-prob, rank | other likely tokens):"]
+    for i, entries in enumerate(positions):
+        if not entries:
+            lines.append(f"{i:>5}  -")
+            continue
+        (own, *others) = entries.values()
+        alternatives = ", ".join(f"{e['decoded_token']!r} {e['logprob']:.3f}" for e in others)
+        line = f"{i:>5}  {own['decoded_token']!r:<18} {own['logprob']:>9.4f}  #{own['rank']:<6}"
+        lines.append(f"{line}| {alternatives}" if alternatives else line.rstrip())
+    return "\n".join(lines) + "\n"
+
+
 def cmd_generate(args) -> int:
+    extra = dict(args.param)
+    if args.logprobs is not None:
+        extra["logprobs"] = args.logprobs
+    if args.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = args.prompt_logprobs
     params = GenerationParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, ignore_eos=args.ignore_eos,
                               stop=args.stop, temperature=args.temperature,
                               repetition_penalty=args.repetition_penalty, priority=args.priority, chat=args.chat,
-                              extra=dict(args.param))
+                              return_logprobs="logprobs" in extra, extra=extra)
 
     def show(text: str) -> None:
         sys.stdout.write(text)
@@ -116,6 +144,11 @@ def cmd_generate(args) -> int:
         sys.stdout.write(f"[completion {i}]\n{text}\n")
     if res.text and not several and not res.text.endswith("\n"):
         sys.stdout.write("\n")
+    if res.prompt_logprobs is not None:
+        sys.stdout.write(format_logprobs("prompt log-probs", res.prompt_logprobs))
+    if res.token_logprobs:
+        sys.stdout.write(format_logprobs("output log-probs" + (" (completion 0)" if several else ""),
+                                         res.token_logprobs))
     sys.stdout.flush()
     if not res.ok:
         print(f"error: {res.error}", file=sys.stderr)

@@ -82,6 +82,11 @@ class GenerationResult:
     texts: list[str] = field(default_factory=list)  # every completion's text, when the request asked for n > 1
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    # With the `logprobs: N` sampling parameter and return_logprobs: per output token of the first
+    # completion, {token id: {"logprob", "rank", "decoded_token"}}, the chosen token's key first.
+    token_logprobs: list[dict] = field(default_factory=list)
+    # With `prompt_logprobs: N`: per prompt token, None for the first, then dicts as token_logprobs'.
+    prompt_logprobs: Optional[list] = None
     finish_reason: Optional[str] = None
     num_input_tokens: Optional[int] = None
     reported_output_tokens: Optional[int] = None  # the sum of the responses' `num_output_tokens`, if returned
@@ -329,6 +334,14 @@ class StreamingClient:
             arr = result.as_numpy("output_log_probs")
             if arr is not None:
                 res.log_probs.extend(arr.reshape(-1).tolist())
+        if "logprobs" in names:
+            arr = result.as_numpy("logprobs")
+            if arr is not None and arr.size:  # one JSON list per completion
+                res.token_logprobs.extend(json.loads(arr.reshape(-1)[0]))
+        if "prompt_logprobs" in names:
+            arr = result.as_numpy("prompt_logprobs")
+            if arr is not None and arr.size:
+                res.prompt_logprobs = json.loads(arr.reshape(-1)[0])
         n_new = len(ids) if ids else (1 if text else 0)
         if n_new:
             if res.first_token_time is None:

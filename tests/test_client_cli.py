@@ -209,3 +209,30 @@ def test_generate_prints_each_of_n_sampled_completions(triton_server, engine):
                                                                ignore_eos=True))
     assert proc.stdout == "".join(f"[completion {i}]\n{r.text}\n" for i, r in enumerate(refs))
     assert " 30 tokens in " in proc.stderr, proc.stderr  # the three completions' tokens
+
+
+@pytest.mark.server
+def test_generate_shows_prompt_and_output_logprobs(triton_server, engine, tokenizer):
+    from tritonllm.sampling_params import SamplingParams
+
+    proc = run_cli("generate", "The capital of France is", "--url", triton_server.grpc_url, "--max-tokens", "5",
+                   "--ignore-eos", "--no-chat", "--logprobs", "2", "--prompt-logprobs", "1")
+    assert proc.returncode == 0, proc.stderr
+    [ref] = engine.generate(["The capital of France is"], SamplingParams(
+        max_tokens=5, ignore_eos=True, top_logprobs=2, prompt_logprobs=1))
+    text, rest = proc.stdout.split("prompt log-probs", 1)
+    prompt_part, output_part = rest.split("output log-probs", 1)
+    assert text.rstrip("\n") == ref.text
+
+    def rows(part: str) -> list[list[str]]:
+        return [line.split() for line in part.splitlines()[1:]]
+
+    prompt_rows, output_rows = rows(prompt_part), rows(output_part)
+    assert prompt_rows[0] == ["0", "-"] and len(prompt_rows) == len(ref.prompt_logprobs)
+    for row, expected, line in zip(output_rows + prompt_rows[1:], ref.top_logprobs + ref.prompt_logprobs[1:],
+                                   output_part.splitlines()[1:] + prompt_part.splitlines()[2:]):
+        token, lp, rank = expected[0]  # the chosen (or prompt) token, then the other likely ones after "|"
+        assert repr(tokenizer.decode([token])) in line
+        assert f"#{rank}" in row and float(row[row.index(f"#{rank}") - 1]) == pytest.approx(lp, abs=1e-3)
+        assert line.count("|") == (len(expected) > 1)
+    assert len(output_rows) == 5

@@ -25,10 +25,11 @@ def _check_against(ref: torch.Tensor, ids: list[int], scored: list, n: int) -> N
     assert len(scored) == len(ids) and scored[0] is None
     for pos, entries in enumerate(scored[1:]):
         values, top_ids = ref[pos].topk(n)
-        assert [t for t, _, _ in entries[:n]] == top_ids.tolist()
-        assert [lp for _, lp, _ in entries[:n]] == pytest.approx(values.tolist(), abs=1e-4)
         target = ids[pos + 1]
-        [(lp, rank)] = {(lp, rank) for t, lp, rank in entries if t == target}
+        token, lp, rank = entries[0]  # the prompt's own token first, then the rest of the top n
+        by_rank = sorted(entries, key=lambda e: e[2])
+        assert token == target and [t for t, _, _ in by_rank[:n]] == top_ids.tolist()
+        assert [v for _, v, _ in by_rank[:n]] == pytest.approx(values.tolist(), abs=1e-4)
         assert lp == pytest.approx(float(ref[pos, target]), abs=1e-4)
         # 1 + the tokens more likely than it, up to tokens within float32 rounding of it (ranks run to thousands)
         assert int((ref[pos] > ref[pos, target] + 1e-4).sum()) + 1 <= rank <= int((ref[pos] > ref[pos, target] - 1e-4).sum()) + 1

@@ -27,6 +27,7 @@ def test_greedy_top_logprobs_equal_transformers_distribution(engine, hf_model, t
         assert len(out.top_logprobs) == len(out.token_ids) == MAX_NEW
         for pos, (token, entries) in enumerate(zip(out.token_ids, out.top_logprobs)):
             values, top_ids = ref[pos].topk(5)
+            # greedy: the chosen token is the most likely, so it comes first either way
             assert [t for t, _, _ in entries] == top_ids.tolist()
             assert [lp for _, lp, _ in entries] == pytest.approx(values.tolist(), abs=1e-4)
             assert [r for _, _, r in entries] == [1, 2, 3, 4, 5]
@@ -39,13 +40,13 @@ def test_a_sampled_token_outside_the_top_n_comes_with_its_rank(engine, tokenizer
         max_tokens=24, temperature=1.5, seed=11, top_logprobs=1))
     outside = 0
     for token, lp, entries in zip(out.token_ids, out.logprobs, out.top_logprobs):
-        assert entries[0][2] == 1 and entries[0][1] >= lp - 1e-6  # the most likely token first
-        if entries[0][0] == token:
+        assert entries[0][0] == token and entries[0][1] == pytest.approx(lp, abs=1e-6)  # the chosen token first
+        if entries[0][2] == 1:
             assert len(entries) == 1
-        else:  # the chosen one appended, with its log-prob and a rank below the top
+        else:  # then the most likely one, which was not chosen
             outside += 1
-            assert len(entries) == 2 and entries[1][0] == token and entries[1][1] == pytest.approx(lp, abs=1e-6)
-            assert entries[1][2] >= 2
+            assert len(entries) == 2 and entries[1][2] == 1 and entries[1][1] >= lp - 1e-6
+            assert entries[0][2] >= 2
     assert outside  # at temperature 1.5 some tokens are not the most likely one
 
 
