@@ -1,5 +1,5 @@
 """The Llama-family architectures the engine loads besides the default model (Llama with scaled rotary
-frequencies, Qwen2, Mistral, Qwen3, Phi-3): small random models written by transformers itself, whose
+frequencies, Qwen2, Mistral, Qwen3, Phi-3, Granite, Gemma): small random models written by transformers itself, whose
 greedy outputs through the engine must equal transformers' generate on the same weights."""
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ FAMILIES = {
     "qwen3": lambda c: transformers.Qwen3Config(**{**c, "tie_word_embeddings": True}, head_dim=32),
     # Phi-3: Q, K, V and gate, up fused in the checkpoint itself.
     "phi3": lambda c: transformers.Phi3Config(**c, sliding_window=None),
+    # Granite: scaled embeddings, attention, residual branches and logits (IBM's multipliers).
+    "granite": lambda c: transformers.GraniteConfig(**{**c, "tie_word_embeddings": True}, embedding_multiplier=6.0,
+                                                    attention_multiplier=0.09, residual_multiplier=0.4,
+                                                    logits_scaling=3.0),
+    # Gemma: GELU (tanh) gate, embeddings scaled by sqrt(hidden), norms multiplying by 1 + weight.
+    "gemma": lambda c: transformers.GemmaConfig(**{**c, "tie_word_embeddings": True}, head_dim=32),
 }
 
 
@@ -61,6 +67,20 @@ def test_greedy_outputs_equal_transformers(family, cpu_kernels, tokenizer, tmp_p
     outs = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     for ids, out in zip(prompts, outs):  # batched together, each against its own generate
         assert out.token_ids == _reference(model, ids, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_logprobs_equal_transformers(family, tokenizer, tmp_path):
+    # What greedy ids cannot show: a scale of the logits (Granite's logits_scaling), an activation a
+    # little off (GELU's tanh form against erf).
+    model = _write_model(FAMILIES[family](_common(tokenizer)), tokenizer, tmp_path)
+    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
+    ids = tokenizer.encode(PROMPTS[2], add_special_tokens=False)
+    [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=8, ignore_eos=True))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1]
+    expected = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert out.logprobs == pytest.approx(expected.tolist(), abs=2e-4)
 
 
 LIMITED = {
@@ -100,10 +120,10 @@ def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, toke
         Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "granite"])
 def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokenizer, tmp_path):
     # Each rank reads its own query/key/value heads and MLP columns: from the fused Phi-3 tensors by
-    # offset, and Qwen3's head norms whole.
+    # offset, Qwen3's head norms whole, and Granite's residual multiplier folded into each rank's rows.
     model = _write_model(FAMILIES[family](_common(tokenizer)), tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  tensor_parallel_size=2))

@@ -9,7 +9,7 @@ results are bit for bit those of the modules; it needs:
 - float32 on CPU with our kernels (`meta.cpu_kernels`) and every linear on `cpu_gemm=avx512`;
 - one rank (tensor parallelism all-reduces between the ops);
 - attention through our paged kernel (`layers.attention.kernel_calls`);
-- no per-head query and key norms (Qwen3's).
+- no per-head query and key norms (Qwen3's), and SiLU as the MLP's activation (not Gemma's GELU).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ class DecoderStack:
                     return None
         first = layers[0]
         if first.self_attn.q_norm is not None:  # the C++ layer has no per-head norms (Qwen3): the modules run
+            return None
+        if first.mlp.activation != "silu":  # nor an activation other than SiLU (Gemma's GELU)
             return None
         if first.input_layernorm.eps != first.post_attention_layernorm.eps:
             return None

@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) with fused QKV and gate/up projections.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma) with fused QKV
+and gate/up projections.
 
 One GEMM computes Q, K and V together and one computes gate and up together; the results are
 split by views (Phi-3 checkpoints hold them fused already). The forward takes the step's flattened
 tokens; attention reads the paged KV pool. Qwen3 adds an RMSNorm over each query and key head
-before the rotary embedding (`q_norm`, `k_norm`).
+before the rotary embedding (`q_norm`, `k_norm`). Granite and Gemma change the computation by a few
+numbers (`FamilyVariant`), most of them folded into the weights at load.
 
 Two things some of these models do past a length are not computed here: a sliding attention
 window, and rotary frequencies that switch once a sequence outgrows the original context
@@ -12,6 +14,9 @@ it the outputs are the model's own.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +31,39 @@ from ..layers.rotary import RotaryEmbedding
 from ..tensor_parallel import SINGLE, TPShard
 from .decoder_stack import DecoderStack
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma")
 _HEAD_NORM_MODEL_TYPES = ("qwen3",)  # an RMSNorm over each query and key head before the rotary embedding
+# The MLP's activation on the gate, by the config's `hidden_act` (transformers' ACT2FN names).
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+
+
+@dataclass(frozen=True)
+class FamilyVariant:
+    """Where a family's computation departs from Llama's by a number. The loader folds the last three into
+    the weights, so the layers (and the C++ decoder stack) compute them without an extra op:
+    - `embedding_scale` multiplies the embeddings (Gemma: sqrt(hidden_size); Granite: embedding_multiplier);
+    - `attention_scale` replaces head_dim ** -0.5 (Granite: attention_multiplier);
+    - `residual_scale` multiplies each attention and MLP output before its residual add (Granite:
+      residual_multiplier), folded into o_proj and down_proj;
+    - `logits_divisor` divides the logits (Granite: logits_scaling), folded into the final norm's weight;
+    - `norm_weight_offset`: the RMSNorms multiply by offset + weight (Gemma: 1), folded into the weights.
+    Folding rounds once more than transformers does (a relative 6e-8 in float32).
+    """
+
+    embedding_scale: float | None = None
+    attention_scale: float | None = None
+    residual_scale: float | None = None
+    logits_divisor: float | None = None
+    norm_weight_offset: float = 0.0
+
+    @classmethod
+    def of(cls, cfg) -> "FamilyVariant":
+        if cfg.model_type == "granite":
+            return cls(embedding_scale=cfg.embedding_multiplier, attention_scale=cfg.attention_multiplier,
+                       residual_scale=cfg.residual_multiplier, logits_divisor=cfg.logits_scaling)
+        if cfg.model_type == "gemma":
+            return cls(embedding_scale=cfg.hidden_size ** 0.5, norm_weight_offset=1.0)
+        return cls()
 
 
 def sliding_window(cfg) -> int | None:
@@ -67,7 +103,7 @@ _EXACT_HEAD_MAX_ROWS = 2  # steps of up to this many rows take an exact-block LM
 class LlamaAttention(nn.Module):
     """This rank's KV-head groups: column-parallel QKV, row-parallel output projection + all-reduce."""
 
-    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard):
+    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, scale: float | None = None):
         super().__init__()
         kv_start, kv_end = tp.split(cfg.num_key_value_heads)
         per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -75,7 +111,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.num_kv_heads * per_kv
         self.head_dim = head_dim
         self.tp = tp
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
         self.qkv_proj = Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
@@ -112,24 +148,26 @@ class LlamaMLP(nn.Module):
         start, end = tp.split(cfg.intermediate_size)
         self.intermediate_size = end - start
         self.tp = tp
+        self.activation = cfg.hidden_act
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if fused:
+        if fused and self.activation == "silu":
             act = cpu_kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
+            act = self.act(gate) * up
         return self.tp.all_reduce(self.down_proj(act))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard):
+    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, variant: FamilyVariant):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, head_dim, rotary, tp)
+        self.self_attn = LlamaAttention(cfg, head_dim, rotary, tp, variant.attention_scale)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
 
@@ -163,14 +201,15 @@ class LlamaForCausalLM(nn.Module):
         partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
         if partial != 1.0:  # our rotary (and its CPU kernel) turns every dimension of a head
             raise ValueError(f"a partial rotary embedding (partial_rotary_factor={partial}) is not supported")
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu only)")
+        if getattr(cfg, "hidden_act", "silu") not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
         self.config = cfg
         self.tp = tp
+        self.variant = FamilyVariant.of(cfg)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.rotary = RotaryEmbedding(cfg, self.head_dim, max_position)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.head_dim, self.rotary, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.head_dim, self.rotary, tp, self.variant)
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -192,6 +231,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.variant.embedding_scale is not None:
+            hidden.mul_(self.variant.embedding_scale)
         meta.rope_cos, meta.rope_sin = self.rotary.lookup(positions, hidden.dtype)
         if self.decoder_stack is not None:
             attention = self.decoder_stack.applies(hidden, meta)
@@ -305,3 +346,17 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(own) - loaded)
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:5]}")
+        self._fold_variant()
+
+    def _fold_variant(self) -> None:
+        """FamilyVariant's weight-folded numbers, applied once to the loaded weights."""
+        v = self.variant
+        for name, param in self.named_parameters():
+            if v.norm_weight_offset and name.endswith("norm.weight"):
+                param.data.add_(v.norm_weight_offset)
+        if v.residual_scale is not None:
+            for layer in self.layers:
+                layer.self_attn.o_proj.weight.data.mul_(v.residual_scale)
+                layer.mlp.down_proj.weight.data.mul_(v.residual_scale)
+        if v.logits_divisor is not None:
+            self.norm.weight.data.div_(v.logits_divisor)
