@@ -1,5 +1,5 @@
 """The Llama-family architectures the engine loads besides the default model (Llama with scaled rotary
-frequencies, Qwen2, Mistral, Qwen3, Phi-3, Granite, Gemma): small random models written by transformers itself, whose
+frequencies, Qwen2, Mistral, Qwen3, Phi-3, Granite, Gemma, Gemma 2): small random models written by transformers itself, whose
 greedy outputs through the engine must equal transformers' generate on the same weights."""
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ FAMILIES = {
                                                     logits_scaling=3.0),
     # Gemma: GELU (tanh) gate, embeddings scaled by sqrt(hidden), norms multiplying by 1 + weight.
     "gemma": lambda c: transformers.GemmaConfig(**{**c, "tie_word_embeddings": True}, head_dim=32),
+    # Gemma 2 besides: attention scores and logits soft-capped (caps low enough to bite on these
+    # weights), each attention and MLP output normed, query_pre_attn_scalar, sliding layers (window
+    # past max_model_len here).
+    "gemma2": lambda c: transformers.Gemma2Config(**{k: v for k, v in c.items() if k != "tie_word_embeddings"},
+                                                  head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                                  final_logit_softcapping=4.0, sliding_window=4096),
 }
 
 
@@ -86,6 +92,7 @@ def test_output_logprobs_equal_transformers(family, tokenizer, tmp_path):
 LIMITED = {
     # Within the window a sliding-window layer attends to every earlier position, as ours do.
     "mistral-sliding-window": lambda c: transformers.MistralConfig(**c, sliding_window=32),
+    "gemma2-sliding-layers": lambda c: transformers.Gemma2Config(**c, head_dim=32, sliding_window=32),
     # longrope: the short frequencies up to the original context, the long ones past it.
     "phi3-longrope": lambda c: transformers.Phi3Config(**c, sliding_window=None, original_max_position_embeddings=32,
                                                        rope_scaling={"rope_type": "longrope",
@@ -120,7 +127,7 @@ def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, toke
         Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "granite"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "granite", "gemma2"])
 def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokenizer, tmp_path):
     # Each rank reads its own query/key/value heads and MLP columns: from the fused Phi-3 tensors by
     # offset, Qwen3's head norms whole, and Granite's residual multiplier folded into each rank's rows.

@@ -99,8 +99,13 @@ def _gather(cache: torch.Tensor, flat_tables: torch.Tensor) -> torch.Tensor:
     return torch.index_select(cache.view(cache.shape[0], cache.shape[1], -1), 1, flat_tables)
 
 
+def _soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(scores / cap), in place (Gemma 2's attention logit soft-capping), before the mask."""
+    return scores.div_(cap).tanh_().mul_(cap)
+
+
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
-                  scale: float) -> torch.Tensor:
+                  scale: float, softcap: float | None = None) -> torch.Tensor:
     """One query per sequence. q: [batch, heads, head_dim] -> [batch, heads, head_dim]."""
     batch, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
@@ -114,14 +119,17 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k = torch.index_select(k_cache[h].view(k_cache.shape[1], -1), 0, flat_tables).view(batch, width, head_dim)
         v = torch.index_select(v_cache[h].view(v_cache.shape[1], -1), 0, flat_tables).view(batch, width, head_dim)
         k, v = k.to(q.dtype), v.to(q.dtype)  # a no-op unless kv_cache_dtype differs from the model's
-        scores = torch.baddbmm(bias, q[:, h], k.transpose(1, 2), alpha=scale)  # [batch, per_kv, width]
+        if softcap is None:
+            scores = torch.baddbmm(bias, q[:, h], k.transpose(1, 2), alpha=scale)  # [batch, per_kv, width]
+        else:
+            scores = _soft_cap(torch.bmm(q[:, h], k.transpose(1, 2)).mul_(scale), softcap).add_(bias)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
         torch.bmm(probs, v, out=out[h])
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
-                  scale: float) -> torch.Tensor:
+                  scale: float, softcap: float | None = None) -> torch.Tensor:
     """Prompt chunks. q: [batch, max_q, heads, head_dim] -> [batch, max_q, heads, head_dim]."""
     batch, max_q, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
@@ -137,7 +145,11 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     mask = group.mask
     if max_q > 1 and per_kv > 1:
         mask = mask.repeat_interleave(per_kv, dim=2)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:  # SDPA cannot cap the scores: the same three steps written out
+        scores = _soft_cap(torch.matmul(q, k.transpose(-1, -2)).mul_(scale), softcap).masked_fill_(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
     return out.view(batch, kv_heads, max_q, per_kv, head_dim).permute(0, 2, 1, 3, 4).reshape(
         batch, max_q, num_heads, head_dim)
 
@@ -156,9 +168,12 @@ def kernel_calls(meta: AttentionMetadata, num_tokens: int) -> list[tuple[int, in
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [tokens, heads, head_dim] (K/V already written) -> [tokens, heads, head_dim]."""
-    calls = kernel_calls(meta, len(q))
+                    meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """q: [tokens, heads, head_dim] (K/V already written) -> [tokens, heads, head_dim].
+
+    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2); our C++
+    kernel does not cap, so such attention takes the torch path."""
+    calls = kernel_calls(meta, len(q)) if softcap is None else None
     if calls is not None:
         if len(calls) == 1:  # most steps: the kernel's result is the whole output, no copy into one
             return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, calls[0][2], calls[0][3], scale)
@@ -169,14 +184,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     for g in meta.decode:
         rows = slice(g.token_offset, g.token_offset + g.num_tokens)
-        out[rows] = _decode_group(q[rows], k_cache, v_cache, g, scale)
+        out[rows] = _decode_group(q[rows], k_cache, v_cache, g, scale, softcap)
     if meta.prefill is not None:
         g = meta.prefill
         if g.query_index is None:  # a single prompt chunk: no padding needed
             q_pre = q[g.token_offset:g.token_offset + g.num_tokens].unsqueeze(0)
-            out[g.token_offset:] = _attend_group(q_pre, k_cache, v_cache, g, scale).squeeze(0)
+            out[g.token_offset:] = _attend_group(q_pre, k_cache, v_cache, g, scale, softcap).squeeze(0)
         else:
             q_pre = q[g.query_index]
-            res = _attend_group(q_pre, k_cache, v_cache, g, scale)
+            res = _attend_group(q_pre, k_cache, v_cache, g, scale, softcap)
             out[g.token_offset:] = res.reshape(-1, *res.shape[2:])[g.output_index]
     return out

@@ -9,7 +9,8 @@ results are bit for bit those of the modules; it needs:
 - float32 on CPU with our kernels (`meta.cpu_kernels`) and every linear on `cpu_gemm=avx512`;
 - one rank (tensor parallelism all-reduces between the ops);
 - attention through our paged kernel (`layers.attention.kernel_calls`);
-- no per-head query and key norms (Qwen3's), and SiLU as the MLP's activation (not Gemma's GELU).
+- no per-head query and key norms (Qwen3's), SiLU as the MLP's activation (not Gemma's GELU), and
+  Llama's layer (not Gemma 2's capped scores and normed outputs).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class DecoderStack:
         if first.self_attn.q_norm is not None:  # the C++ layer has no per-head norms (Qwen3): the modules run
             return None
         if first.mlp.activation != "silu":  # nor an activation other than SiLU (Gemma's GELU)
+            return None
+        if first.attn_output_norm is not None or first.self_attn.softcap is not None:  # nor Gemma 2's layer
             return None
         if first.input_layernorm.eps != first.post_attention_layernorm.eps:
             return None

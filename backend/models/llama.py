@@ -1,11 +1,12 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma) with fused QKV
-and gate/up projections.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2) with fused
+QKV and gate/up projections.
 
 One GEMM computes Q, K and V together and one computes gate and up together; the results are
 split by views (Phi-3 checkpoints hold them fused already). The forward takes the step's flattened
 tokens; attention reads the paged KV pool. Qwen3 adds an RMSNorm over each query and key head
 before the rotary embedding (`q_norm`, `k_norm`). Granite and Gemma change the computation by a few
-numbers (`FamilyVariant`), most of them folded into the weights at load.
+numbers (`FamilyVariant`), most of them folded into the weights at load; Gemma 2 also caps attention
+scores and logits, and norms each attention and MLP output before its residual add.
 
 Two things some of these models do past a length are not computed here: a sliding attention
 window, and rotary frequencies that switch once a sequence outgrows the original context
@@ -31,22 +32,29 @@ from ..layers.rotary import RotaryEmbedding
 from ..tensor_parallel import SINGLE, TPShard
 from .decoder_stack import DecoderStack
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2")
 _HEAD_NORM_MODEL_TYPES = ("qwen3",)  # an RMSNorm over each query and key head before the rotary embedding
 # The MLP's activation on the gate, by the config's `hidden_act` (transformers' ACT2FN names).
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
+def activation_name(cfg) -> str:
+    """Gemma 2 names its activation `hidden_activation`; the others `hidden_act`."""
+    return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
+
+
 @dataclass(frozen=True)
 class FamilyVariant:
-    """Where a family's computation departs from Llama's by a number. The loader folds the last three into
-    the weights, so the layers (and the C++ decoder stack) compute them without an extra op:
+    """Where a family's computation departs from Llama's. The loader folds `residual_scale`,
+    `logits_divisor` and `norm_weight_offset` into the weights, so the layers compute them without an op:
     - `embedding_scale` multiplies the embeddings (Gemma: sqrt(hidden_size); Granite: embedding_multiplier);
     - `attention_scale` replaces head_dim ** -0.5 (Granite: attention_multiplier);
     - `residual_scale` multiplies each attention and MLP output before its residual add (Granite:
       residual_multiplier), folded into o_proj and down_proj;
     - `logits_divisor` divides the logits (Granite: logits_scaling), folded into the final norm's weight;
-    - `norm_weight_offset`: the RMSNorms multiply by offset + weight (Gemma: 1), folded into the weights.
+    - `norm_weight_offset`: the RMSNorms multiply by offset + weight (Gemma: 1), folded into the weights;
+    - `attention_softcap`, `logits_softcap`: scores and logits become cap * tanh(x / cap) (Gemma 2);
+    - `sandwich_norms`: each attention and MLP output is normed before its residual add (Gemma 2).
     Folding rounds once more than transformers does (a relative 6e-8 in float32).
     """
 
@@ -55,6 +63,9 @@ class FamilyVariant:
     residual_scale: float | None = None
     logits_divisor: float | None = None
     norm_weight_offset: float = 0.0
+    attention_softcap: float | None = None
+    logits_softcap: float | None = None
+    sandwich_norms: bool = False
 
     @classmethod
     def of(cls, cfg) -> "FamilyVariant":
@@ -63,6 +74,10 @@ class FamilyVariant:
                        residual_scale=cfg.residual_multiplier, logits_divisor=cfg.logits_scaling)
         if cfg.model_type == "gemma":
             return cls(embedding_scale=cfg.hidden_size ** 0.5, norm_weight_offset=1.0)
+        if cfg.model_type == "gemma2":
+            return cls(embedding_scale=cfg.hidden_size ** 0.5, norm_weight_offset=1.0,
+                       attention_scale=cfg.query_pre_attn_scalar ** -0.5, attention_softcap=cfg.attn_logit_softcapping,
+                       logits_softcap=cfg.final_logit_softcapping, sandwich_norms=True)
         return cls()
 
 
@@ -103,7 +118,8 @@ _EXACT_HEAD_MAX_ROWS = 2  # steps of up to this many rows take an exact-block LM
 class LlamaAttention(nn.Module):
     """This rank's KV-head groups: column-parallel QKV, row-parallel output projection + all-reduce."""
 
-    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, scale: float | None = None):
+    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, scale: float | None = None,
+                 softcap: float | None = None):
         super().__init__()
         kv_start, kv_end = tp.split(cfg.num_key_value_heads)
         per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -112,6 +128,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.tp = tp
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.softcap = softcap
         bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
         self.qkv_proj = Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
@@ -136,7 +153,7 @@ class LlamaAttention(nn.Module):
             qk = self.rotary.apply(qkv[:, :self.num_heads + self.num_kv_heads], meta.rope_cos, meta.rope_sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             write_kv(k_cache, v_cache, k, qkv[:, self.num_heads + self.num_kv_heads:], meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap)
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
 
 
@@ -148,8 +165,8 @@ class LlamaMLP(nn.Module):
         start, end = tp.split(cfg.intermediate_size)
         self.intermediate_size = end - start
         self.tp = tp
-        self.activation = cfg.hidden_act
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.activation = activation_name(cfg)
+        self.act = ACTIVATIONS[self.activation]
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
@@ -167,9 +184,14 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, variant: FamilyVariant):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, head_dim, rotary, tp, variant.attention_scale)
+        self.self_attn = LlamaAttention(cfg, head_dim, rotary, tp, variant.attention_scale, variant.attention_softcap)
+        # The norm between the attention's residual add and the MLP (Gemma 2 calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
+        # Gemma 2: norms of the attention's and the MLP's outputs (its post_attention_ and post_feedforward_layernorm).
+        sandwich = variant.sandwich_norms
+        self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
+        self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         """`residual` is the stream so far, `hidden` the previous layer's MLP output to add to it
@@ -181,8 +203,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden = self.input_layernorm.add_and_norm(residual, hidden, fused)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        if self.attn_output_norm is not None:
+            hidden = self.attn_output_norm(hidden)
         hidden = self.post_attention_layernorm.add_and_norm(residual, hidden, fused)
-        return self.mlp(hidden, fused), residual
+        hidden = self.mlp(hidden, fused)
+        if self.mlp_output_norm is not None:
+            hidden = self.mlp_output_norm(hidden)
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -201,8 +228,10 @@ class LlamaForCausalLM(nn.Module):
         partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
         if partial != 1.0:  # our rotary (and its CPU kernel) turns every dimension of a head
             raise ValueError(f"a partial rotary embedding (partial_rotary_factor={partial}) is not supported")
-        if getattr(cfg, "hidden_act", "silu") not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
+        if activation_name(cfg) not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {activation_name(cfg)!r} is not supported ({', '.join(ACTIVATIONS)})")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
         self.config = cfg
         self.tp = tp
         self.variant = FamilyVariant.of(cfg)
@@ -243,7 +272,11 @@ class LlamaForCausalLM(nn.Module):
         return residual.add_(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = self.norm(hidden)
+        logits = self._head(self.norm(hidden))
+        cap = self.variant.logits_softcap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)  # monotonic: greedy ids stay
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden)
         if self.tied_head_packed is not None:
@@ -324,7 +357,12 @@ class LlamaForCausalLM(nn.Module):
         for i in range(self.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             put(dst + "input_layernorm.weight", get(src + "input_layernorm.weight"))
-            put(dst + "post_attention_layernorm.weight", get(src + "post_attention_layernorm.weight"))
+            if self.variant.sandwich_norms:  # Gemma 2's names for the four norms
+                put(dst + "attn_output_norm.weight", get(src + "post_attention_layernorm.weight"))
+                put(dst + "post_attention_layernorm.weight", get(src + "pre_feedforward_layernorm.weight"))
+                put(dst + "mlp_output_norm.weight", get(src + "post_feedforward_layernorm.weight"))
+            else:
+                put(dst + "post_attention_layernorm.weight", get(src + "post_attention_layernorm.weight"))
             attn = src + "self_attn."
             put(dst + "self_attn.qkv_proj.weight", qkv_part(attn, "weight"))
             if self.layers[i].self_attn.qkv_proj.bias is not None:
