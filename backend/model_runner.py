@@ -158,7 +158,7 @@ class ModelRunner:
 
     # ---- inputs ------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        host, sampled = build_host_step(scheduled, self.block_size, self.max_decode_groups)
+        host, sampled = build_host_step(scheduled, self.block_size, self.max_decode_groups, self.model.attention_window)
         scored = [item for item in scheduled if positions_to_score(item)]
         return StepInputs(host, to_device(host, self.device, self.use_cpu_kernels), sampled, self._sampling_batch(sampled),
                           scored)

@@ -29,6 +29,7 @@ class HostGroup:
     output_index: np.ndarray | None
     token_offset: int
     num_tokens: int
+    window_mask: np.ndarray | None = None  # as mask, limited to each query's last `window` positions
 
 
 @dataclass
@@ -53,11 +54,13 @@ class DeviceStep:
     kv_copy: tuple[torch.Tensor, torch.Tensor] | None  # (source slots, destination slots)
 
 
-def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
-                    max_decode_groups: int = MAX_DECODE_GROUPS) -> tuple[HostStep, list[ScheduledSeq]]:
+def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_groups: int = MAX_DECODE_GROUPS,
+                    window: int | None = None) -> tuple[HostStep, list[ScheduledSeq]]:
     """The step's flat inputs, and the sequences that choose a token (in logits-row order).
 
     `max_decode_groups` 1 suits the decode kernel, which skips padding instead of gathering it.
+    `window`: the model has sliding-window layers, which attend to each query's last `window`
+    positions only; each group then also carries that mask.
     """
     bs = block_size
     decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
@@ -82,8 +85,8 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
         input_ids=np.asarray(input_ids, dtype=np.int64),
         positions=np.concatenate(positions).astype(np.int64),
         slot_mapping=np.concatenate(slots).astype(np.int64),
-        decode=[_group(part, offset, bs) for part, offset in split_by_length(decodes, bs, max_decode_groups)],
-        prefill=_group(prefills, len(decodes), bs) if prefills else None,
+        decode=[_group(part, offset, bs, window) for part, offset in split_by_length(decodes, bs, max_decode_groups)],
+        prefill=_group(prefills, len(decodes), bs, window) if prefills else None,
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
         **_kv_copy_slots([s.kv_copy for s in scheduled if s.kv_copy is not None], bs),
     )
@@ -131,7 +134,7 @@ def split_by_length(decodes: list[ScheduledSeq], block_size: int,
     return [(decodes[i:j], i) for i, j in reversed(bounds)]
 
 
-def _group(items: list[ScheduledSeq], token_offset: int, bs: int) -> HostGroup:
+def _group(items: list[ScheduledSeq], token_offset: int, bs: int, window: int | None = None) -> HostGroup:
     batch = len(items)
     q_lens = [it.num_new_tokens for it in items]
     starts = [it.seq.num_computed_tokens for it in items]
@@ -148,35 +151,46 @@ def _group(items: list[ScheduledSeq], token_offset: int, bs: int) -> HostGroup:
     max_q = max(q_lens)
     q_pos = np.asarray(starts)[:, None] + np.arange(max_q)[None, :]  # [batch, max_q]
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]
+    # A sliding layer's query at position p sees keys p - window < k <= p (transformers' sliding mask).
+    window_mask = mask & (key_pos[None, None, :] > q_pos[:, :, None] - window) if window else None
     query_index = output_index = None
     if batch > 1 and max_q > 1:
         offsets = token_offset + np.concatenate([[0], np.cumsum(q_lens)[:-1]])
         j = np.arange(max_q)[None, :]
         real = j < np.asarray(q_lens)[:, None]
         query_index = (offsets[:, None] + np.minimum(j, np.asarray(q_lens)[:, None] - 1)).astype(np.int64)
-        mask[~real] = False
-        mask[~real, 0] = True  # padding rows attend somewhere: no NaN from an empty softmax
+        for m in (mask, window_mask) if window else (mask,):
+            m[~real] = False
+            m[~real, 0] = True  # padding rows attend somewhere: no NaN from an empty softmax
         output_index = np.flatnonzero(real.reshape(-1)).astype(np.int64)
-    return HostGroup(tables, mask[:, None, :, :], query_index, output_index, token_offset, sum(q_lens))
+    return HostGroup(tables, mask[:, None, :, :], query_index, output_index, token_offset, sum(q_lens),
+                     None if window_mask is None else window_mask[:, None, :, :])
 
 
 def to_device(host: HostStep, device: torch.device, use_cpu_kernels: bool = False) -> DeviceStep:
     def to(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
 
-    def group(g: HostGroup) -> AttentionGroup:
+    def group(g: HostGroup, sliding: bool = False) -> AttentionGroup:
         return AttentionGroup(
-            block_tables=to(g.block_tables), mask=to(g.mask),
+            block_tables=to(g.block_tables), mask=to(g.window_mask if sliding else g.mask),
             query_index=None if g.query_index is None else to(g.query_index),
             output_index=None if g.output_index is None else to(g.output_index),
             token_offset=g.token_offset, num_tokens=g.num_tokens)
 
-    meta = AttentionMetadata(
-        slot_mapping=to(host.slot_mapping),
-        decode=[group(g) for g in host.decode],
-        prefill=group(host.prefill) if host.prefill is not None else None,
-        cpu_kernels=use_cpu_kernels,
-    )
+    def metadata(sliding: bool = False) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            decode=[group(g, sliding) for g in host.decode],
+            prefill=group(host.prefill, sliding) if host.prefill is not None else None,
+            cpu_kernels=use_cpu_kernels,
+        )
+
+    slot_mapping = to(host.slot_mapping)
+    meta = metadata()
+    groups = host.decode + ([host.prefill] if host.prefill is not None else [])
+    if groups and groups[0].window_mask is not None:
+        meta.sliding = metadata(sliding=True)
     kv_copy = (to(host.kv_copy_src), to(host.kv_copy_dst)) if len(host.kv_copy_src) else None
     return DeviceStep(to(host.input_ids), to(host.positions), meta, to(host.logits_rows), kv_copy)
 

@@ -89,20 +89,38 @@ def test_output_logprobs_equal_transformers(family, tokenizer, tmp_path):
     assert out.logprobs == pytest.approx(expected.tolist(), abs=2e-4)
 
 
-LIMITED = {
-    # Within the window a sliding-window layer attends to every earlier position, as ours do.
-    "mistral-sliding-window": lambda c: transformers.MistralConfig(**c, sliding_window=32),
-    "gemma2-sliding-layers": lambda c: transformers.Gemma2Config(**c, head_dim=32, sliding_window=32),
-    # longrope: the short frequencies up to the original context, the long ones past it.
-    "phi3-longrope": lambda c: transformers.Phi3Config(**c, sliding_window=None, original_max_position_embeddings=32,
-                                                       rope_scaling={"rope_type": "longrope",
-        "short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [4.0 + i for i in range(8)]}),
+SLIDING = {
+    # Every layer attends to its last 32 positions.
+    "mistral": lambda c: transformers.MistralConfig(**c, sliding_window=32),
+    # Every other layer does (layer_types), and Gemma 2's capped scores take the torch attention path.
+    "gemma2": lambda c: transformers.Gemma2Config(**c, head_dim=32, sliding_window=32),
+    # The layers from max_window_layers on do.
+    "qwen2": lambda c: transformers.Qwen2Config(**c, use_sliding_window=True, sliding_window=32, max_window_layers=1),
 }
 
 
-@pytest.mark.parametrize("family", LIMITED)
-def test_max_model_len_is_capped_where_outputs_would_stop_being_exact(family, tokenizer, tmp_path):
-    model = _write_model(LIMITED[family](_common(tokenizer)), tokenizer, tmp_path)
+@pytest.mark.parametrize("family", SLIDING)
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+def test_sliding_window_layers_equal_transformers_past_the_window(family, cpu_kernels, tokenizer, tmp_path):
+    model = _write_model(SLIDING[family](_common(tokenizer)), tokenizer, tmp_path)
+    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+                                 max_num_batched_tokens=64, cpu_kernels=cpu_kernels))
+    assert engine.max_model_len == 256
+    # Outputs running 40 tokens past the window, and a prompt longer than it in two chunks of the
+    # 64-token step budget, beside the others.
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in (PROMPTS[0], " ".join(PROMPTS * 4))]
+    assert len(prompts[1]) > 64
+    outs = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=48, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        assert out.token_ids == _reference(model, ids, 48)
+
+
+def test_longrope_caps_max_model_len_where_its_frequencies_change(tokenizer, tmp_path):
+    # longrope: the short frequencies up to the original context, the long ones past it.
+    config = transformers.Phi3Config(**_common(tokenizer), sliding_window=None, original_max_position_embeddings=32,
+                                     rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                                                   "long_factor": [4.0 + i for i in range(8)]})
+    model = _write_model(config, tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
     assert engine.max_model_len == 32
     ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
@@ -127,17 +145,18 @@ def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, toke
         Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "granite", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "granite", "gemma2", "mistral-sliding"])
 def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokenizer, tmp_path):
     # Each rank reads its own query/key/value heads and MLP columns: from the fused Phi-3 tensors by
     # offset, Qwen3's head norms whole, and Granite's residual multiplier folded into each rank's rows.
-    model = _write_model(FAMILIES[family](_common(tokenizer)), tokenizer, tmp_path)
+    config = SLIDING["mistral"] if family == "mistral-sliding" else FAMILIES[family]  # the workers' masks too
+    model = _write_model(config(_common(tokenizer)), tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  tensor_parallel_size=2))
     try:
         prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:2]]
-        outs = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        outs = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=40, ignore_eos=True))
     finally:
         engine.close()
     for ids, out in zip(prompts, outs):
-        assert out.token_ids == _reference(model, ids, MAX_TOKENS)
+        assert out.token_ids == _reference(model, ids, 40)

@@ -78,6 +78,8 @@ class AttentionMetadata:
     cpu_kernels: bool = False  # decodes and the layers' elementwise ops through our C++ CPU kernels (cpu_kernels.py)
     rope_cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim]: looked up once per step, not per layer
     rope_sin: torch.Tensor | None = None
+    # For a model's sliding-window layers: the same step, each group's mask limited to the window.
+    sliding: "AttentionMetadata | None" = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

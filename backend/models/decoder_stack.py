@@ -9,6 +9,7 @@ results are bit for bit those of the modules; it needs:
 - float32 on CPU with our kernels (`meta.cpu_kernels`) and every linear on `cpu_gemm=avx512`;
 - one rank (tensor parallelism all-reduces between the ops);
 - attention through our paged kernel (`layers.attention.kernel_calls`);
+- no sliding-window masks in the step (a window shorter than max_model_len);
 - no per-head query and key norms (Qwen3's), SiLU as the MLP's activation (not Gemma's GELU), and
   Llama's layer (not Gemma 2's capped scores and normed outputs).
 """
@@ -66,6 +67,8 @@ class DecoderStack:
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> list | None:
         """The step's attention kernel calls if it can take the stack, else None."""
         if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+            return None
+        if meta.sliding is not None:  # the C++ layers take one set of masks for all of them
             return None
         return kernel_calls(meta, hidden.shape[0])
 

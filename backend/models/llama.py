@@ -8,10 +8,11 @@ before the rotary embedding (`q_norm`, `k_norm`). Granite and Gemma change the c
 numbers (`FamilyVariant`), most of them folded into the weights at load; Gemma 2 also caps attention
 scores and logits, and norms each attention and MLP output before its residual add.
 
-Two things some of these models do past a length are not computed here: a sliding attention
-window, and rotary frequencies that switch once a sequence outgrows the original context
-(`longrope`). The engine caps `max_model_len` where they start (`exact_context_limit`), so within
-it the outputs are the model's own.
+Sliding-window layers (Mistral's, Phi-3's, Gemma 2's every other one, Qwen's past max_window_layers)
+attend to each query's last `sliding_window` positions through a mask of their own
+(`AttentionMetadata.sliding`). Rotary frequencies that switch once a sequence outgrows the original
+context (`longrope`) are not computed: the engine caps `max_model_len` there (`exact_context_limit`),
+so within it the outputs are the model's own.
 """
 
 from __future__ import annotations
@@ -81,37 +82,34 @@ class FamilyVariant:
         return cls()
 
 
-def sliding_window(cfg) -> int | None:
-    """The attention window of a model whose layers (any of them) attend only to their last
-    `sliding_window` positions: Mistral's and Phi-3's `sliding_window`, Qwen's "sliding_attention" layers."""
-    window = getattr(cfg, "sliding_window", None)
-    if not window:
-        return None
+def sliding_layers(cfg) -> list[bool]:
+    """Per layer, whether it attends only to its last `sliding_window` positions: every layer of a model
+    with a `sliding_window` (Mistral, Phi-3), or those `layer_types` names "sliding_attention" (Gemma 2,
+    Qwen with use_sliding_window)."""
+    n = cfg.num_hidden_layers
+    if not getattr(cfg, "sliding_window", None):
+        return [False] * n
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
-    if cfg.model_type in ("qwen2", "qwen3"):  # configs without layer_types
-        return window if getattr(cfg, "use_sliding_window", False) else None
-    return window
+        return [kind == "sliding_attention" for kind in layer_types[:n]]
+    if cfg.model_type in ("qwen2", "qwen3"):  # configs without layer_types: the layers from max_window_layers on
+        first = getattr(cfg, "max_window_layers", 0) if getattr(cfg, "use_sliding_window", False) else n
+        return [i >= first for i in range(n)]
+    return [True] * n
 
 
 def exact_context_limit(cfg) -> tuple[int, str] | None:
     """The longest sequence (prompt + output) over which this module computes what the model does, and why
     it stops there; None: no limit besides max_position_embeddings.
 
-    Within a sliding window a layer attends to every earlier position, as ours do. `longrope` rotary
-    frequencies (Phi-3's long-context variants) are the short ones up to the original context,
-    which are the ones our fixed table holds.
+    `longrope` rotary frequencies (Phi-3's long-context variants) are the short ones up to the
+    original context, which are the ones our fixed table holds.
     """
-    limits = []
-    window = sliding_window(cfg)
-    if window:
-        limits.append((window, f"the model's layers attend to their last {window} positions only"))
     params = getattr(cfg, "rope_parameters", None) or {}
     if params.get("rope_type") == "longrope":
         original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings")
-        limits.append((original, f"its longrope frequencies change past {original} positions"))
-    return min(limits) if limits else None
+        return original, f"its longrope frequencies change past {original} positions"
+    return None
 _EXACT_HEAD_MAX_ROWS = 2  # steps of up to this many rows take an exact-block LM head over the greedy screen
 
 
@@ -119,7 +117,7 @@ class LlamaAttention(nn.Module):
     """This rank's KV-head groups: column-parallel QKV, row-parallel output projection + all-reduce."""
 
     def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, scale: float | None = None,
-                 softcap: float | None = None):
+                 softcap: float | None = None, sliding: bool = False):
         super().__init__()
         kv_start, kv_end = tp.split(cfg.num_key_value_heads)
         per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -129,6 +127,7 @@ class LlamaAttention(nn.Module):
         self.tp = tp
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.softcap = softcap
+        self.sliding = sliding  # attends through the step's sliding-window masks (meta.sliding)
         bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
         self.qkv_proj = Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
@@ -153,7 +152,7 @@ class LlamaAttention(nn.Module):
             qk = self.rotary.apply(qkv[:, :self.num_heads + self.num_kv_heads], meta.rope_cos, meta.rope_sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             write_kv(k_cache, v_cache, k, qkv[:, self.num_heads + self.num_kv_heads:], meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap)
+        out = paged_attention(q, k_cache, v_cache, meta.sliding if self.sliding else meta, self.scale, self.softcap)
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
 
 
@@ -181,10 +180,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, variant: FamilyVariant):
+    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, variant: FamilyVariant,
+                 sliding: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, head_dim, rotary, tp, variant.attention_scale, variant.attention_softcap)
+        self.self_attn = LlamaAttention(cfg, head_dim, rotary, tp, variant.attention_scale, variant.attention_softcap,
+                                        sliding)
         # The norm between the attention's residual add and the MLP (Gemma 2 calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
@@ -238,8 +239,12 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.rotary = RotaryEmbedding(cfg, self.head_dim, max_position)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.head_dim, self.rotary, tp, self.variant)
-                                    for _ in range(cfg.num_hidden_layers))
+        # A window no shorter than the longest sequence never limits anything: no sliding masks then.
+        sliding = sliding_layers(cfg)
+        self.attention_window = cfg.sliding_window if any(sliding) and cfg.sliding_window < max_position else None
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, self.head_dim, self.rotary, tp, self.variant, sliding[i] and bool(self.attention_window))
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
