@@ -81,9 +81,10 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     model.load_hf_state_dict(tensors)
     _refuse_unused_weights(tensors, tied_head=model.tie_word_embeddings)
     # The rotary cos/sin tables stay float32 (cast per use) for accuracy in half precision.
-    cos, sin = model.rotary.cos, model.rotary.sin
+    rotaries = [(r, r.cos, r.sin) for r in (model.rotary, model.local_rotary) if r is not None]
     model = model.to(device=device, dtype=dtype)
-    model.rotary.cos, model.rotary.sin = cos.to(device), sin.to(device)
+    for rotary, cos, sin in rotaries:
+        rotary.cos, rotary.sin = cos.to(device), sin.to(device)
     model.eval()
     kernel = resolve_cpu_gemm(cpu_gemm, device, dtype)
     if device.type == "cpu" and kernel != cpu_gemm:

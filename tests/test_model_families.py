@@ -1,5 +1,5 @@
 """The Llama-family architectures the engine loads besides the default model (Llama with scaled rotary
-frequencies, Qwen2, Mistral, Qwen3, Phi-3, Granite, Gemma, Gemma 2): small random models written by transformers itself, whose
+frequencies, Qwen2, Mistral, Qwen3, Phi-3, Granite, Gemma, Gemma 2, Gemma 3): small random models written by transformers itself, whose
 greedy outputs through the engine must equal transformers' generate on the same weights."""
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ FAMILIES = {
     "gemma2": lambda c: transformers.Gemma2Config(**{k: v for k, v in c.items() if k != "tie_word_embeddings"},
                                                   head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                                                   final_logit_softcapping=4.0, sliding_window=4096),
+    # Gemma 3: Gemma 2's layer without the caps, per-head query/key norms (1 + weight), and the
+    # sliding layers rotating by frequencies of their own (theta 10,000 against 1,000,000).
+    "gemma3": lambda c: transformers.Gemma3TextConfig(**{k: v for k, v in c.items() if k != "tie_word_embeddings"},
+                                                      head_dim=32, query_pre_attn_scalar=24, sliding_window=4096,
+                                                      layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -94,6 +99,9 @@ SLIDING = {
     "mistral": lambda c: transformers.MistralConfig(**c, sliding_window=32),
     # Every other layer does (layer_types), and Gemma 2's capped scores take the torch attention path.
     "gemma2": lambda c: transformers.Gemma2Config(**c, head_dim=32, sliding_window=32),
+    # Gemma 3's sliding layers, with their own rotary frequencies.
+    "gemma3": lambda c: transformers.Gemma3TextConfig(**c, head_dim=32, sliding_window=32,
+                                                      layer_types=["sliding_attention", "full_attention"]),
     # The layers from max_window_layers on do.
     "qwen2": lambda c: transformers.Qwen2Config(**c, use_sliding_window=True, sliding_window=32, max_window_layers=1),
 }
@@ -145,7 +153,7 @@ def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, toke
         Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "granite", "gemma2", "mistral-sliding"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "granite", "gemma2", "gemma3", "mistral-sliding"])
 def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokenizer, tmp_path):
     # Each rank reads its own query/key/value heads and MLP columns: from the fused Phi-3 tensors by
     # offset, Qwen3's head norms whole, and Granite's residual multiplier folded into each rank's rows.

@@ -80,6 +80,8 @@ class AttentionMetadata:
     rope_sin: torch.Tensor | None = None
     # For a model's sliding-window layers: the same step, each group's mask limited to the window.
     sliding: "AttentionMetadata | None" = None
+    # (cos, sin) as rope_cos / rope_sin for sliding layers that rotate by frequencies of their own (Gemma 3).
+    local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,12 +1,14 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2) with fused
-QKV and gate/up projections.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2, Gemma 3
+text) with fused QKV and gate/up projections.
 
 One GEMM computes Q, K and V together and one computes gate and up together; the results are
 split by views (Phi-3 checkpoints hold them fused already). The forward takes the step's flattened
 tokens; attention reads the paged KV pool. Qwen3 adds an RMSNorm over each query and key head
 before the rotary embedding (`q_norm`, `k_norm`). Granite and Gemma change the computation by a few
 numbers (`FamilyVariant`), most of them folded into the weights at load; Gemma 2 also caps attention
-scores and logits, and norms each attention and MLP output before its residual add.
+scores and logits, and norms each attention and MLP output before its residual add; Gemma 3 keeps
+that layer without the caps, adds Qwen3's head norms, and its sliding layers rotate by frequencies of
+their own (`local_rotary`).
 
 Sliding-window layers (Mistral's, Phi-3's, Gemma 2's every other one, Qwen's past max_window_layers)
 attend to each query's last `sliding_window` positions through a mask of their own
@@ -29,12 +31,13 @@ from ..layers.attention import AttentionMetadata, paged_attention, write_kv
 from ..layers.greedy_screen import GreedyScreen
 from ..layers.linear import Linear, PackedWeight, pack_linears
 from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding
+from ..layers.rotary import RotaryEmbedding, rope_by_layer_type
 from ..tensor_parallel import SINGLE, TPShard
 from .decoder_stack import DecoderStack
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2")
-_HEAD_NORM_MODEL_TYPES = ("qwen3",)  # an RMSNorm over each query and key head before the rotary embedding
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text")
+# an RMSNorm over each query and key head before the rotary embedding
+_HEAD_NORM_MODEL_TYPES = ("qwen3", "gemma3_text")
 # The MLP's activation on the gate, by the config's `hidden_act` (transformers' ACT2FN names).
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
@@ -75,7 +78,7 @@ class FamilyVariant:
                        residual_scale=cfg.residual_multiplier, logits_divisor=cfg.logits_scaling)
         if cfg.model_type == "gemma":
             return cls(embedding_scale=cfg.hidden_size ** 0.5, norm_weight_offset=1.0)
-        if cfg.model_type == "gemma2":
+        if cfg.model_type in ("gemma2", "gemma3_text"):
             return cls(embedding_scale=cfg.hidden_size ** 0.5, norm_weight_offset=1.0,
                        attention_scale=cfg.query_pre_attn_scalar ** -0.5, attention_softcap=cfg.attn_logit_softcapping,
                        logits_softcap=cfg.final_logit_softcapping, sandwich_norms=True)
@@ -117,7 +120,7 @@ class LlamaAttention(nn.Module):
     """This rank's KV-head groups: column-parallel QKV, row-parallel output projection + all-reduce."""
 
     def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, scale: float | None = None,
-                 softcap: float | None = None, sliding: bool = False):
+                 softcap: float | None = None, sliding: bool = False, local_rope: bool = False):
         super().__init__()
         kv_start, kv_end = tp.split(cfg.num_key_value_heads)
         per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -128,6 +131,7 @@ class LlamaAttention(nn.Module):
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.softcap = softcap
         self.sliding = sliding  # attends through the step's sliding-window masks (meta.sliding)
+        self.local_rope = local_rope  # rotates by the sliding layers' own frequencies (meta.local_rope)
         bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
         self.qkv_proj = Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
@@ -145,11 +149,12 @@ class LlamaAttention(nn.Module):
             qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
             qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
         k_cache, v_cache = kv_cache
+        cos, sin = meta.local_rope if self.local_rope else (meta.rope_cos, meta.rope_sin)
         if meta.cpu_kernels:  # rotary + KV write in one pass
-            q = cpu_kernels.rope_write_kv(qkv, meta.rope_cos, meta.rope_sin, k_cache, v_cache, meta.slot_mapping,
+            q = cpu_kernels.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                           self.num_heads, self.num_kv_heads)
         else:
-            qk = self.rotary.apply(qkv[:, :self.num_heads + self.num_kv_heads], meta.rope_cos, meta.rope_sin)
+            qk = self.rotary.apply(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
             write_kv(k_cache, v_cache, k, qkv[:, self.num_heads + self.num_kv_heads:], meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.sliding if self.sliding else meta, self.scale, self.softcap)
@@ -181,11 +186,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, variant: FamilyVariant,
-                 sliding: bool = False):
+                 sliding: bool = False, local_rope: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, head_dim, rotary, tp, variant.attention_scale, variant.attention_softcap,
-                                        sliding)
+                                        sliding, local_rope)
         # The norm between the attention's residual add and the MLP (Gemma 2 calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
@@ -237,13 +242,16 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.variant = FamilyVariant.of(cfg)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rotary = RotaryEmbedding(cfg, self.head_dim, max_position)
+        by_type = rope_by_layer_type(cfg)  # Gemma 3: the sliding layers' frequencies apart
+        self.rotary = RotaryEmbedding(cfg, self.head_dim, max_position, "full_attention" if by_type else None)
+        self.local_rotary = RotaryEmbedding(cfg, self.head_dim, max_position, "sliding_attention") if by_type else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # A window no shorter than the longest sequence never limits anything: no sliding masks then.
         sliding = sliding_layers(cfg)
         self.attention_window = cfg.sliding_window if any(sliding) and cfg.sliding_window < max_position else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.head_dim, self.rotary, tp, self.variant, sliding[i] and bool(self.attention_window))
+            LlamaDecoderLayer(cfg, self.head_dim, self.rotary, tp, self.variant, sliding[i] and bool(self.attention_window),
+                              local_rope=by_type and sliding[i])
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -268,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
         if self.variant.embedding_scale is not None:
             hidden.mul_(self.variant.embedding_scale)
         meta.rope_cos, meta.rope_sin = self.rotary.lookup(positions, hidden.dtype)
+        if self.local_rotary is not None:
+            meta.local_rope = self.local_rotary.lookup(positions, hidden.dtype)
         if self.decoder_stack is not None:
             attention = self.decoder_stack.applies(hidden, meta)
             if attention is not None:  # the same ops as the layers below, in one C++ call
