@@ -10,7 +10,7 @@ scores and logits, and norms each attention and MLP output before its residual a
 that layer without the caps, adds Qwen3's head norms, and its sliding layers rotate by frequencies of
 their own (`local_rotary`).
 
-Sliding-window layers (Mistral's, Phi-3's, Gemma 2's every other one, Qwen's past max_window_layers)
+Sliding-window layers (Mistral's, Phi-3's, Gemma 2's and 3's, Qwen's past max_window_layers)
 attend to each query's last `sliding_window` positions through a mask of their own
 (`AttentionMetadata.sliding`). Rotary frequencies that switch once a sequence outgrows the original
 context (`longrope`) are not computed: the engine caps `max_model_len` there (`exact_context_limit`),
@@ -43,7 +43,7 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate=
 
 
 def activation_name(cfg) -> str:
-    """Gemma 2 names its activation `hidden_activation`; the others `hidden_act`."""
+    """Gemma 2 and 3 name their activation `hidden_activation`; the others `hidden_act`."""
     return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
 
 
@@ -58,7 +58,7 @@ class FamilyVariant:
     - `logits_divisor` divides the logits (Granite: logits_scaling), folded into the final norm's weight;
     - `norm_weight_offset`: the RMSNorms multiply by offset + weight (Gemma: 1), folded into the weights;
     - `attention_softcap`, `logits_softcap`: scores and logits become cap * tanh(x / cap) (Gemma 2);
-    - `sandwich_norms`: each attention and MLP output is normed before its residual add (Gemma 2).
+    - `sandwich_norms`: each attention and MLP output is normed before its residual add (Gemma 2 and 3).
     Folding rounds once more than transformers does (a relative 6e-8 in float32).
     """
 
