@@ -207,8 +207,13 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
-    def release_block(self, seq: Sequence, index: int) -> None:
-        """Drop one block of a running sequence (KV-window pruning); its slot becomes -1."""
+    def release_block(self, seq: Sequence, index: int, exact: bool = False) -> None:
+        """Drop one block of a running sequence that no later query attends to; its slot becomes -1.
+
+        `exact`: the model's own sliding window passed it, so its K/V are still the prefix's own and a
+        cached prefix stays cached (freed last in line, as `free` does). Otherwise (lossy `kv_window`
+        pruning) it is forgotten and handed out first.
+        """
         block_id = seq.block_table[index]
         if block_id < 0:
             return
@@ -216,9 +221,12 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self._free[block_id] = None
-            self._free.move_to_end(block_id, last=False)
-            if block.hash is not None:
-                self._forget(block)
+            if exact and block.hash is not None:
+                self._num_cached_free += 1
+            else:
+                self._free.move_to_end(block_id, last=False)
+                if block.hash is not None:
+                    self._forget(block)
         seq.block_table[index] = -1
 
     def commit_full_blocks(self, seq: Sequence) -> None:

@@ -23,7 +23,7 @@ from .guided_decoding import Guides
 from .loader import load_hf_config, load_tokenizer
 from .model_files import resolve_model_dir
 from .model_runner import ModelRunner
-from .models.llama import exact_context_limit
+from .models.families import exact_context_limit
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
 from .scheduler import Scheduler
@@ -66,7 +66,7 @@ class Engine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.kv_window,
-                                   config.kv_window_ratio, config.kv_sink_tokens)
+                                   config.kv_window_ratio, config.kv_sink_tokens, self.runner.model.kv_release_window)
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _StreamState] = {}
         self._add_lock = threading.Lock()  # add_request may be called from other threads

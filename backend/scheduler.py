@@ -44,7 +44,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", kv_window: int = 0, kv_window_ratio: float = 0.0,
-                 kv_sink_tokens: int = 0):
+                 kv_sink_tokens: int = 0, model_window: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -53,6 +53,7 @@ class Scheduler:
         self.kv_window = kv_window
         self.kv_window_ratio = kv_window_ratio
         self.kv_sink_tokens = kv_sink_tokens
+        self.model_window = model_window  # every layer slides: blocks behind it are freed, exactly
         self.waiting: list[tuple[tuple, Sequence]] = []  # sorted by policy key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -115,6 +116,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
             target = seq.num_computed_tokens + num_new
+            self._release_behind_windows(seq)  # before growing: its own freed blocks can take the new tokens
             while not bm.can_append(seq, target):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -123,7 +125,6 @@ class Scheduler:
                     break
             else:
                 bm.append_slots(seq, target)
-                self._prune_window(seq)
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
                 i += 1
@@ -171,12 +172,21 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
-    def _prune_window(self, seq: Sequence) -> None:
-        """Recent-window KV pruning: free blocks that fell out of the window (sinks kept)."""
+    def _release_behind_windows(self, seq: Sequence) -> None:
+        """Free the blocks no query of this step or later attends to.
+
+        The model's own window (every layer slides) is exact: this step's queries start at position
+        `num_computed_tokens` and see keys after `num_computed_tokens - window`, so every block wholly
+        before that position is dead. Recent-window KV pruning (`kv_window`, `kv_window_ratio`) is
+        the lossy one: it keeps its window and the sink blocks, and drops what the model would still read.
+        """
+        bs = self.block_manager.block_size
+        if self.model_window:
+            for index in range(max(seq.num_computed_tokens - self.model_window, 0) // bs):
+                self.block_manager.release_block(seq, index, exact=True)
         window = self.kv_window or int(self.kv_window_ratio * seq.num_prompt_tokens)
         if not window:
             return
-        bs = self.block_manager.block_size
         keep_from = seq.num_computed_tokens - window  # first position still attended
         first_block = -(-self.kv_sink_tokens // bs)  # sink blocks are never pruned
         for index in range(first_block, max(keep_from, 0) // bs):

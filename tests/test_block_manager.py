@@ -117,6 +117,25 @@ def test_kv_window_release_frees_blocks_and_marks_them():
     bm.check_invariants()
 
 
+def test_exact_release_keeps_the_prefix_cached_and_last_in_line():
+    # Behind the model's own sliding window a block's K/V are still the prefix's: a later request
+    # with the same prompt reuses it, and fresh blocks are handed out before it.
+    bm = BlockManager(8, BS)
+    s = seq(range(16), "w")
+    admit(bm, s)
+    released = s.block_table[0]
+    bm.release_block(s, 0, exact=True)
+    assert s.block_table[0] == -1 and bm.num_used_blocks == 3 and bm.num_cached_blocks == 1
+    bm.check_invariants()
+    other = seq(range(100, 104), "o")
+    admit(bm, other)
+    assert bm.num_cached_blocks == 1  # the fresh free block went first
+    assert bm.match_prefix(seq(range(9), "again")).blocks == [released, s.block_table[1]]
+    bm.free(s)
+    bm.free(other)
+    bm.check_invariants()
+
+
 def test_prefix_caching_off_caches_nothing():
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     a = seq(range(9), "a")

@@ -123,6 +123,45 @@ def test_sliding_window_layers_equal_transformers_past_the_window(family, cpu_ke
         assert out.token_ids == _reference(model, ids, 48)
 
 
+def _peak_used_blocks(engine, prompt_ids: list[int], max_tokens: int):
+    """Step one request to its end; its output and the most KV blocks in use at once."""
+    rid = engine.add_request(prompt_token_ids=prompt_ids, params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    seq, peak = engine._seqs[rid], 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.block_manager.num_used_blocks)
+    engine.block_manager.check_invariants()
+    return seq.output_token_ids, peak
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+def test_blocks_behind_a_window_every_layer_slides_are_freed_exactly(cpu_kernels, tokenizer, tmp_path):
+    # Mistral's every layer attends to its last 32 positions: a 120-token output holds ~3 blocks of 16,
+    # not 9, and stays transformers' own; a second request for the same prompt reuses its cached blocks.
+    model = _write_model(SLIDING["mistral"](_common(tokenizer)), tokenizer, tmp_path)
+    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+                                 cpu_kernels=cpu_kernels, warmup=False))
+    assert engine.runner.model.kv_release_window == 32 and engine.config.block_size == 16
+    ids = tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False)
+    assert 16 < len(ids) < 32
+    tokens, peak = _peak_used_blocks(engine, ids, 120)
+    assert tokens == _reference(model, ids, 120)
+    assert peak <= 32 // 16 + 2
+    hits = engine.block_manager.prefix_hit_tokens
+    again, _ = _peak_used_blocks(engine, ids, 40)
+    assert engine.block_manager.prefix_hit_tokens - hits >= 16 and again == tokens[:40]
+
+
+def test_blocks_stay_where_some_layer_attends_to_the_whole_sequence(tokenizer, tmp_path):
+    # Gemma 2's full-attention layers read every position: nothing behind the window is freed.
+    _write_model(SLIDING["gemma2"](_common(tokenizer)), tokenizer, tmp_path)
+    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+                                 warmup=False))
+    assert engine.runner.model.attention_window == 32 and engine.runner.model.kv_release_window is None
+    _, peak = _peak_used_blocks(engine, tokenizer.encode(PROMPTS[0], add_special_tokens=False), 120)
+    assert peak >= (len(tokenizer.encode(PROMPTS[0], add_special_tokens=False)) + 119) // 16
+
+
 def test_longrope_caps_max_model_len_where_its_frequencies_change(tokenizer, tmp_path):
     # longrope: the short frequencies up to the original context, the long ones past it.
     config = transformers.Phi3Config(**_common(tokenizer), sliding_window=None, original_max_position_embeddings=32,

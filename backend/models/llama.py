@@ -5,22 +5,21 @@ One GEMM computes Q, K and V together and one computes gate and up together; the
 split by views (Phi-3 checkpoints hold them fused already). The forward takes the step's flattened
 tokens; attention reads the paged KV pool. Qwen3 adds an RMSNorm over each query and key head
 before the rotary embedding (`q_norm`, `k_norm`). Granite and Gemma change the computation by a few
-numbers (`FamilyVariant`), most of them folded into the weights at load; Gemma 2 also caps attention
+numbers (`FamilyVariant`; how each family differs is read from its config in models/families.py), most
+of them folded into the weights at load; Gemma 2 also caps attention
 scores and logits, and norms each attention and MLP output before its residual add; Gemma 3 keeps
 that layer without the caps, adds Qwen3's head norms, and its sliding layers rotate by frequencies of
 their own (`local_rotary`).
 
 Sliding-window layers (Mistral's, Phi-3's, Gemma 2's and 3's, Qwen's past max_window_layers)
 attend to each query's last `sliding_window` positions through a mask of their own
-(`AttentionMetadata.sliding`). Rotary frequencies that switch once a sequence outgrows the original
+(`AttentionMetadata.sliding`); when every layer slides, the scheduler frees the blocks behind the
+window (`kv_release_window`). Rotary frequencies that switch once a sequence outgrows the original
 context (`longrope`) are not computed: the engine caps `max_model_len` there (`exact_context_limit`),
 so within it the outputs are the model's own.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -34,85 +33,9 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_by_layer_type
 from ..tensor_parallel import SINGLE, TPShard
 from .decoder_stack import DecoderStack
+from .families import (ACTIVATIONS, HEAD_NORM_MODEL_TYPES, FamilyVariant, activation_name, attention_window,
+                       check_supported, kv_release_window, sliding_layers)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text")
-# an RMSNorm over each query and key head before the rotary embedding
-_HEAD_NORM_MODEL_TYPES = ("qwen3", "gemma3_text")
-# The MLP's activation on the gate, by the config's `hidden_act` (transformers' ACT2FN names).
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
-
-
-def activation_name(cfg) -> str:
-    """Gemma 2 and 3 name their activation `hidden_activation`; the others `hidden_act`."""
-    return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
-
-
-@dataclass(frozen=True)
-class FamilyVariant:
-    """Where a family's computation departs from Llama's. The loader folds `residual_scale`,
-    `logits_divisor` and `norm_weight_offset` into the weights, so the layers compute them without an op:
-    - `embedding_scale` multiplies the embeddings (Gemma: sqrt(hidden_size); Granite: embedding_multiplier);
-    - `attention_scale` replaces head_dim ** -0.5 (Granite: attention_multiplier);
-    - `residual_scale` multiplies each attention and MLP output before its residual add (Granite:
-      residual_multiplier), folded into o_proj and down_proj;
-    - `logits_divisor` divides the logits (Granite: logits_scaling), folded into the final norm's weight;
-    - `norm_weight_offset`: the RMSNorms multiply by offset + weight (Gemma: 1), folded into the weights;
-    - `attention_softcap`, `logits_softcap`: scores and logits become cap * tanh(x / cap) (Gemma 2);
-    - `sandwich_norms`: each attention and MLP output is normed before its residual add (Gemma 2 and 3).
-    Folding rounds once more than transformers does (a relative 6e-8 in float32).
-    """
-
-    embedding_scale: float | None = None
-    attention_scale: float | None = None
-    residual_scale: float | None = None
-    logits_divisor: float | None = None
-    norm_weight_offset: float = 0.0
-    attention_softcap: float | None = None
-    logits_softcap: float | None = None
-    sandwich_norms: bool = False
-
-    @classmethod
-    def of(cls, cfg) -> "FamilyVariant":
-        if cfg.model_type == "granite":
-            return cls(embedding_scale=cfg.embedding_multiplier, attention_scale=cfg.attention_multiplier,
-                       residual_scale=cfg.residual_multiplier, logits_divisor=cfg.logits_scaling)
-        if cfg.model_type == "gemma":
-            return cls(embedding_scale=cfg.hidden_size ** 0.5, norm_weight_offset=1.0)
-        if cfg.model_type in ("gemma2", "gemma3_text"):
-            return cls(embedding_scale=cfg.hidden_size ** 0.5, norm_weight_offset=1.0,
-                       attention_scale=cfg.query_pre_attn_scalar ** -0.5, attention_softcap=cfg.attn_logit_softcapping,
-                       logits_softcap=cfg.final_logit_softcapping, sandwich_norms=True)
-        return cls()
-
-
-def sliding_layers(cfg) -> list[bool]:
-    """Per layer, whether it attends only to its last `sliding_window` positions: every layer of a model
-    with a `sliding_window` (Mistral, Phi-3), or those `layer_types` names "sliding_attention" (Gemma 2,
-    Qwen with use_sliding_window)."""
-    n = cfg.num_hidden_layers
-    if not getattr(cfg, "sliding_window", None):
-        return [False] * n
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None:
-        return [kind == "sliding_attention" for kind in layer_types[:n]]
-    if cfg.model_type in ("qwen2", "qwen3"):  # configs without layer_types: the layers from max_window_layers on
-        first = getattr(cfg, "max_window_layers", 0) if getattr(cfg, "use_sliding_window", False) else n
-        return [i >= first for i in range(n)]
-    return [True] * n
-
-
-def exact_context_limit(cfg) -> tuple[int, str] | None:
-    """The longest sequence (prompt + output) over which this module computes what the model does, and why
-    it stops there; None: no limit besides max_position_embeddings.
-
-    `longrope` rotary frequencies (Phi-3's long-context variants) are the short ones up to the
-    original context, which are the ones our fixed table holds.
-    """
-    params = getattr(cfg, "rope_parameters", None) or {}
-    if params.get("rope_type") == "longrope":
-        original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings")
-        return original, f"its longrope frequencies change past {original} positions"
-    return None
 _EXACT_HEAD_MAX_ROWS = 2  # steps of up to this many rows take an exact-block LM head over the greedy screen
 
 
@@ -136,7 +59,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
         self.rotary = rotary
-        head_norms = cfg.model_type in _HEAD_NORM_MODEL_TYPES
+        head_norms = cfg.model_type in HEAD_NORM_MODEL_TYPES
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if head_norms else None
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if head_norms else None
 
@@ -228,16 +151,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg, max_position: int, tp: TPShard = SINGLE):
         super().__init__()
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {cfg.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-        if partial != 1.0:  # our rotary (and its CPU kernel) turns every dimension of a head
-            raise ValueError(f"a partial rotary embedding (partial_rotary_factor={partial}) is not supported")
-        if activation_name(cfg) not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {activation_name(cfg)!r} is not supported ({', '.join(ACTIVATIONS)})")
-        if getattr(cfg, "use_bidirectional_attention", False):
-            raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
+        check_supported(cfg)
         self.config = cfg
         self.tp = tp
         self.variant = FamilyVariant.of(cfg)
@@ -248,7 +162,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # A window no shorter than the longest sequence never limits anything: no sliding masks then.
         sliding = sliding_layers(cfg)
-        self.attention_window = cfg.sliding_window if any(sliding) and cfg.sliding_window < max_position else None
+        self.attention_window = attention_window(cfg, max_position)
+        self.kv_release_window = kv_release_window(cfg, max_position)  # the scheduler frees blocks behind it
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, self.head_dim, self.rotary, tp, self.variant, sliding[i] and bool(self.attention_window),
                               local_rope=by_type and sliding[i])

@@ -1,0 +1,122 @@
+"""How the Llama-family architectures differ from Llama's, read from their Hugging Face configs.
+
+`models/llama.py` builds one decoder from these answers: which families it loads and what it refuses
+(`check_supported`), the MLP's activation, the few numbers by which Granite and the Gemmas scale or
+cap the computation (`FamilyVariant`), which layers attend through a sliding window
+(`sliding_layers`, `kv_release_window`), and how long a sequence stays exact (`exact_context_limit`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text")
+# an RMSNorm over each query and key head before the rotary embedding
+HEAD_NORM_MODEL_TYPES = ("qwen3", "gemma3_text")
+# The MLP's activation on the gate, by the config's `hidden_act` (transformers' ACT2FN names).
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+
+
+def activation_name(cfg) -> str:
+    """Gemma 2 and 3 name their activation `hidden_activation`; the others `hidden_act`."""
+    return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
+
+
+@dataclass(frozen=True)
+class FamilyVariant:
+    """Where a family's computation departs from Llama's. The loader folds `residual_scale`,
+    `logits_divisor` and `norm_weight_offset` into the weights, so the layers compute them without an op:
+    - `embedding_scale` multiplies the embeddings (Gemma: sqrt(hidden_size); Granite: embedding_multiplier);
+    - `attention_scale` replaces head_dim ** -0.5 (Granite: attention_multiplier);
+    - `residual_scale` multiplies each attention and MLP output before its residual add (Granite:
+      residual_multiplier), folded into o_proj and down_proj;
+    - `logits_divisor` divides the logits (Granite: logits_scaling), folded into the final norm's weight;
+    - `norm_weight_offset`: the RMSNorms multiply by offset + weight (Gemma: 1), folded into the weights;
+    - `attention_softcap`, `logits_softcap`: scores and logits become cap * tanh(x / cap) (Gemma 2);
+    - `sandwich_norms`: each attention and MLP output is normed before its residual add (Gemma 2 and 3).
+    Folding rounds once more than transformers does (a relative 6e-8 in float32).
+    """
+
+    embedding_scale: float | None = None
+    attention_scale: float | None = None
+    residual_scale: float | None = None
+    logits_divisor: float | None = None
+    norm_weight_offset: float = 0.0
+    attention_softcap: float | None = None
+    logits_softcap: float | None = None
+    sandwich_norms: bool = False
+
+    @classmethod
+    def of(cls, cfg) -> "FamilyVariant":
+        if cfg.model_type == "granite":
+            return cls(embedding_scale=cfg.embedding_multiplier, attention_scale=cfg.attention_multiplier,
+                       residual_scale=cfg.residual_multiplier, logits_divisor=cfg.logits_scaling)
+        if cfg.model_type == "gemma":
+            return cls(embedding_scale=cfg.hidden_size ** 0.5, norm_weight_offset=1.0)
+        if cfg.model_type in ("gemma2", "gemma3_text"):
+            return cls(embedding_scale=cfg.hidden_size ** 0.5, norm_weight_offset=1.0,
+                       attention_scale=cfg.query_pre_attn_scalar ** -0.5, attention_softcap=cfg.attn_logit_softcapping,
+                       logits_softcap=cfg.final_logit_softcapping, sandwich_norms=True)
+        return cls()
+
+
+def check_supported(cfg) -> None:
+    """Raise ValueError naming what `models/llama.py` cannot compute for this config."""
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {cfg.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    partial_factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    if partial_factor != 1.0:  # our rotary (and its CPU kernel) turns every dimension of a head
+        raise ValueError(f"a partial rotary embedding (partial_rotary_factor={partial_factor}) is not supported")
+    if activation_name(cfg) not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {activation_name(cfg)!r} is not supported ({', '.join(ACTIVATIONS)})")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
+
+
+def sliding_layers(cfg) -> list[bool]:
+    """Per layer, whether it attends only to its last `sliding_window` positions: every layer of a model
+    with a `sliding_window` (Mistral, Phi-3), or those `layer_types` names "sliding_attention" (Gemma 2,
+    Qwen with use_sliding_window)."""
+    n = cfg.num_hidden_layers
+    if not getattr(cfg, "sliding_window", None):
+        return [False] * n
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return [kind == "sliding_attention" for kind in layer_types[:n]]
+    if cfg.model_type in ("qwen2", "qwen3"):  # configs without layer_types: the layers from max_window_layers on
+        first = getattr(cfg, "max_window_layers", 0) if getattr(cfg, "use_sliding_window", False) else n
+        return [i >= first for i in range(n)]
+    return [True] * n
+
+
+def attention_window(cfg, max_position: int) -> int | None:
+    """The window the steps' sliding masks must carry: None when no layer slides, or when the window is
+    no shorter than the longest sequence (it never limits anything then)."""
+    window = getattr(cfg, "sliding_window", None)
+    return window if any(sliding_layers(cfg)) and window < max_position else None
+
+
+def kv_release_window(cfg, max_position: int) -> int | None:
+    """When every layer slides, no layer reads a sequence's K/V further back than this window: the
+    scheduler frees the blocks behind it, exactly (unlike `kv_window` pruning). None otherwise: some
+    layer attends to the whole sequence (Gemma 2 and 3, Qwen's first max_window_layers)."""
+    window = attention_window(cfg, max_position)
+    return window if window is not None and all(sliding_layers(cfg)) else None
+
+
+def exact_context_limit(cfg) -> tuple[int, str] | None:
+    """The longest sequence (prompt + output) over which this module computes what the model does, and why
+    it stops there; None: no limit besides max_position_embeddings.
+
+    `longrope` rotary frequencies (Phi-3's long-context variants) are the short ones up to the
+    original context, which are the ones our fixed table holds.
+    """
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if params.get("rope_type") == "longrope":
+        original = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings")
+        return original, f"its longrope frequencies change past {original} positions"
+    return None
