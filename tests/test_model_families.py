@@ -1,5 +1,5 @@
 """The Llama-family architectures the engine loads besides the default model (Llama with scaled rotary
-frequencies, Qwen2, Mistral, Qwen3, Phi-3, Granite, Gemma, Gemma 2, Gemma 3): small random models written by transformers itself, whose
+frequencies, Qwen2, Mistral, Qwen3, Phi-3, Phi-4-mini's partial rotary, Granite, Gemma, Gemma 2, Gemma 3): small random models written by transformers itself, whose
 greedy outputs through the engine must equal transformers' generate on the same weights."""
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ FAMILIES = {
     "qwen3": lambda c: transformers.Qwen3Config(**{**c, "tie_word_embeddings": True}, head_dim=32),
     # Phi-3: Q, K, V and gate, up fused in the checkpoint itself.
     "phi3": lambda c: transformers.Phi3Config(**c, sliding_window=None),
+    # Phi-4-mini: a partial rotary embedding (12 of each head's 16 dimensions turn), a tied LM head.
+    "phi4-partial-rotary": lambda c: transformers.Phi3Config(**{**c, "tie_word_embeddings": True}, sliding_window=None,
+                                                             partial_rotary_factor=0.75),
     # Granite: scaled embeddings, attention, residual branches and logits (IBM's multipliers).
     "granite": lambda c: transformers.GraniteConfig(**{**c, "tie_word_embeddings": True}, embedding_multiplier=6.0,
                                                     attention_multiplier=0.09, residual_multiplier=0.4,
@@ -162,11 +165,15 @@ def test_blocks_stay_where_some_layer_attends_to_the_whole_sequence(tokenizer, t
     assert peak >= (len(tokenizer.encode(PROMPTS[0], add_special_tokens=False)) + 119) // 16
 
 
-def test_longrope_caps_max_model_len_where_its_frequencies_change(tokenizer, tmp_path):
-    # longrope: the short frequencies up to the original context, the long ones past it.
+@pytest.mark.parametrize("partial", [1.0, 0.75], ids=["phi3", "phi4-mini"])
+def test_longrope_caps_max_model_len_where_its_frequencies_change(partial, tokenizer, tmp_path):
+    # longrope: the short frequencies up to the original context, the long ones past it; Phi-4-mini's
+    # over the 12 of 16 dimensions that turn.
+    pairs = int(16 * partial) // 2
     config = transformers.Phi3Config(**_common(tokenizer), sliding_window=None, original_max_position_embeddings=32,
-                                     rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
-                                                   "long_factor": [4.0 + i for i in range(8)]})
+                                     rope_scaling={"rope_type": "longrope", "partial_rotary_factor": partial,
+                                                   "short_factor": [1.0 + i / 8 for i in range(pairs)],
+                                                   "long_factor": [4.0 + i for i in range(pairs)]})
     model = _write_model(config, tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
     assert engine.max_model_len == 32
@@ -181,7 +188,9 @@ def test_longrope_caps_max_model_len_where_its_frequencies_change(tokenizer, tmp
 @pytest.mark.parametrize("config, message", [
     (lambda c: transformers.GPT2Config(vocab_size=c["vocab_size"], n_embd=64, n_layer=1, n_head=2),
      "model_type 'gpt2' is not supported"),
-    (lambda c: transformers.Phi3Config(**c, partial_rotary_factor=0.5), r"partial rotary embedding \(partial_rotary_factor=0.5\)"),
+    # transformers' Llama turns every dimension whatever the config says: refused rather than guessed.
+    (lambda c: transformers.LlamaConfig(**c, partial_rotary_factor=0.5),
+     r"partial rotary embedding \(partial_rotary_factor=0.5\) is not supported for model_type 'llama'"),
     (lambda c: transformers.LlamaConfig(**c, hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     # A part the layers do not compute: its weights are in the checkpoint and would go unread.
     (lambda c: transformers.LlamaConfig(**c, mlp_bias=True), r"6 checkpoint weights are not used .*mlp\.down_proj\.bias"),
@@ -192,7 +201,8 @@ def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, toke
         Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "granite", "gemma2", "gemma3", "mistral-sliding"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "phi4-partial-rotary", "granite", "gemma2", "gemma3",
+                                    "mistral-sliding"])
 def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokenizer, tmp_path):
     # Each rank reads its own query/key/value heads and MLP columns: from the fused Phi-3 tensors by
     # offset, Qwen3's head norms whole, and Granite's residual multiplier folded into each rank's rows.

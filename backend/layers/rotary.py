@@ -1,4 +1,12 @@
-"""Rotary position embedding with the model's own theta and scaling (inv_freq from transformers)."""
+"""Rotary position embedding with the model's own theta and scaling (inv_freq from transformers).
+
+A partial rotary embedding (Phi-4-mini's `partial_rotary_factor`: the first `rotary_dim` of each
+head's dimensions turn, the rest pass) runs on the full-width path with no op of its own: the loader
+reorders each query and key head's dimensions (`rotary_dim_order`) so that the pairs transformers turns
+together, (i, i + rotary_dim / 2), sit where the rotate-half convention pairs (j, j + head_dim / 2),
+and the table gives the passing pairs cos 1 and sin 0, which leave them exactly as they are. Query
+and key heads reordered alike keep every score; the KV pool holds the reordered keys.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,24 @@ def rope_by_layer_type(hf_config) -> bool:
     `rope_parameters` keyed by layer type)."""
     params = getattr(hf_config, "rope_parameters", None) or {}
     return "sliding_attention" in params or "full_attention" in params
+
+
+def partial_rotary_factor(hf_config) -> float:
+    """The share of each head's dimensions that turn (transformers 5 keeps it in rope_parameters)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    return 1.0 if factor is None else float(factor)
+
+
+def rotary_dim_order(head_dim: int, rotary_dim: int) -> torch.Tensor | None:
+    """The order of a head's dimensions that puts a partial rotary embedding's pairs in rotate-half
+    places (new[j] = old[order[j]]); None when every dimension turns."""
+    if rotary_dim == head_dim:
+        return None
+    half, passing = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    first = list(range(half)) + list(range(rotary_dim, rotary_dim + passing))
+    second = list(range(half, rotary_dim)) + list(range(rotary_dim + passing, head_dim))
+    return torch.tensor(first + second)
 
 
 def rope_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -27,21 +53,29 @@ def rope_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tu
             return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", layer_type=layer_type)
         return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    dim = int(head_dim * partial_rotary_factor(hf_config))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     return inv_freq, 1.0
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin table over all positions; applied to q and k heads in one op."""
+    """Precomputed cos/sin table over all positions; applied to q and k heads in one op.
+
+    `dim_order`: with a partial rotary embedding, the order the loader puts each query and key head's
+    dimensions in (module docstring); None when every dimension turns.
+    """
 
     def __init__(self, hf_config, head_dim: int, max_position: int, layer_type: str | None = None):
         super().__init__()
         inv_freq, scaling = rope_inv_freq(hf_config, head_dim, layer_type)
         positions = torch.arange(max_position, dtype=torch.float)
         freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        passing = head_dim // 2 - freqs.shape[1]  # pairs a partial rotary embedding leaves unturned
+        cos = torch.cat((freqs.cos() * scaling, torch.ones(max_position, passing)), dim=-1)
+        sin = torch.cat((freqs.sin() * scaling, torch.zeros(max_position, passing)), dim=-1)
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((sin, sin), dim=-1), persistent=False)
+        self.dim_order = rotary_dim_order(head_dim, 2 * freqs.shape[1])
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the step's positions: [tokens, 1, head_dim], shared by every layer."""

@@ -13,9 +13,14 @@ from functools import partial
 
 import torch.nn.functional as F
 
+from ..layers.rotary import partial_rotary_factor
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text")
 # an RMSNorm over each query and key head before the rotary embedding
 HEAD_NORM_MODEL_TYPES = ("qwen3", "gemma3_text")
+# where transformers turns only `partial_rotary_factor` of each head's dimensions (Phi-4-mini); the
+# others' transformers modules turn them all whatever the config says
+PARTIAL_ROTARY_MODEL_TYPES = ("phi3",)
 # The MLP's activation on the gate, by the config's `hidden_act` (transformers' ACT2FN names).
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
@@ -67,10 +72,10 @@ def check_supported(cfg) -> None:
     """Raise ValueError naming what `models/llama.py` cannot compute for this config."""
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {cfg.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    partial_factor = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    if partial_factor != 1.0:  # our rotary (and its CPU kernel) turns every dimension of a head
-        raise ValueError(f"a partial rotary embedding (partial_rotary_factor={partial_factor}) is not supported")
+    factor = partial_rotary_factor(cfg)
+    if factor != 1.0 and cfg.model_type not in PARTIAL_ROTARY_MODEL_TYPES:
+        raise ValueError(f"a partial rotary embedding (partial_rotary_factor={factor}) is not supported "
+                         f"for model_type {cfg.model_type!r} (only {', '.join(PARTIAL_ROTARY_MODEL_TYPES)})")
     if activation_name(cfg) not in ACTIVATIONS:
         raise ValueError(f"hidden_act {activation_name(cfg)!r} is not supported ({', '.join(ACTIVATIONS)})")
     if getattr(cfg, "use_bidirectional_attention", False):

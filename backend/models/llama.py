@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2, Gemma 3
-text) with fused QKV and gate/up projections.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Phi-4-mini, Granite, Gemma, Gemma 2,
+Gemma 3 text) with fused QKV and gate/up projections.
 
 One GEMM computes Q, K and V together and one computes gate and up together; the results are
 split by views (Phi-3 checkpoints hold them fused already). The forward takes the step's flattened
@@ -9,7 +9,8 @@ numbers (`FamilyVariant`; how each family differs is read from its config in mod
 of them folded into the weights at load; Gemma 2 also caps attention
 scores and logits, and norms each attention and MLP output before its residual add; Gemma 3 keeps
 that layer without the caps, adds Qwen3's head norms, and its sliding layers rotate by frequencies of
-their own (`local_rotary`).
+their own (`local_rotary`). Phi-4-mini turns only part of each head: the loader reorders each query
+and key head's dimensions so the full-width rotary leaves the rest as they are (layers/rotary.py).
 
 Sliding-window layers (Mistral's, Phi-3's, Gemma 2's and 3's, Qwen's past max_window_layers)
 attend to each query's last `sliding_window` positions through a mask of their own
@@ -280,6 +281,15 @@ class LlamaForCausalLM(nn.Module):
                 return torch.cat([tensors.rows(fused, *span) for span in spans], dim=0)
             spans = {"q": q_rows, "k": kv_rows, "v": kv_rows}
             return torch.cat([tensors.rows(f"{attn}{p}_proj.{kind}", *spans[p]) for p in "qkv"], dim=0)
+
+        order = self.rotary.dim_order  # a partial rotary embedding: each query and key head's dimensions reordered
+
+        def rotary_ordered(qkv: torch.Tensor) -> torch.Tensor:
+            if order is None:
+                return qkv
+            qk = (q_rows[1] - q_rows[0]) + (kv_rows[1] - kv_rows[0])
+            heads = qkv[:qk].reshape(-1, d, *qkv.shape[1:])[:, order]
+            return torch.cat([heads.reshape(qk, *qkv.shape[1:]), qkv[qk:]])
         put("embed_tokens.weight", get("model.embed_tokens.weight"))
         put("norm.weight", get("model.norm.weight"))
         if self.lm_head is not None:
@@ -294,13 +304,14 @@ class LlamaForCausalLM(nn.Module):
             else:
                 put(dst + "post_attention_layernorm.weight", get(src + "post_attention_layernorm.weight"))
             attn = src + "self_attn."
-            put(dst + "self_attn.qkv_proj.weight", qkv_part(attn, "weight"))
+            put(dst + "self_attn.qkv_proj.weight", rotary_ordered(qkv_part(attn, "weight")))
             if self.layers[i].self_attn.qkv_proj.bias is not None:
-                put(dst + "self_attn.qkv_proj.bias", qkv_part(attn, "bias"))
+                put(dst + "self_attn.qkv_proj.bias", rotary_ordered(qkv_part(attn, "bias")))
             put(dst + "self_attn.o_proj.weight", tensors.cols(attn + "o_proj.weight", *q_rows))
             if self.layers[i].self_attn.q_norm is not None:  # per head: every rank holds the whole weight
-                put(dst + "self_attn.q_norm.weight", get(attn + "q_norm.weight"))
-                put(dst + "self_attn.k_norm.weight", get(attn + "k_norm.weight"))
+                for norm in ("q_norm", "k_norm"):
+                    weight = get(f"{attn}{norm}.weight")
+                    put(f"{dst}self_attn.{norm}.weight", weight if order is None else weight[order])
             mlp = src + "mlp."
             if mlp + "gate_up_proj.weight" in tensors:  # fused in the checkpoint (Phi-3): gate rows, then up rows
                 fused, size = mlp + "gate_up_proj.weight", cfg.intermediate_size
