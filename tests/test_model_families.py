@@ -1,6 +1,7 @@
 """The Llama-family architectures the engine loads besides the default model (Llama with scaled rotary
-frequencies, Qwen2, Mistral, Qwen3, Phi-3, Phi-4-mini's partial rotary, Granite, Gemma, Gemma 2, Gemma 3): small random models written by transformers itself, whose
-greedy outputs through the engine must equal transformers' generate on the same weights."""
+frequencies, Qwen2, Mistral, Qwen3, Phi-3, Phi-4-mini's partial rotary, Granite, Gemma, Gemma 2,
+Gemma 3, OLMo 2 and 3): small random models written by transformers itself, whose greedy outputs
+through the engine must equal transformers' generate on the same weights."""
 
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ FAMILIES = {
     "gemma3": lambda c: transformers.Gemma3TextConfig(**{k: v for k, v in c.items() if k != "tie_word_embeddings"},
                                                       head_dim=32, query_pre_attn_scalar=24, sliding_window=4096,
                                                       layer_types=["sliding_attention", "full_attention"]),
+    # OLMo 2: no norms before the attention and MLP, norms of their outputs instead, and RMSNorms over
+    # the whole query and key projections.
+    "olmo2": lambda c: transformers.Olmo2Config(**c),
 }
 
 
@@ -105,6 +109,10 @@ SLIDING = {
     # Gemma 3's sliding layers, with their own rotary frequencies.
     "gemma3": lambda c: transformers.Gemma3TextConfig(**c, head_dim=32, sliding_window=32,
                                                       layer_types=["sliding_attention", "full_attention"]),
+    # OLMo 3: OLMo 2's layer, every other layer sliding (three of four in its checkpoints), rotary frequencies
+    # keyed by layer type.
+    "olmo3": lambda c: transformers.Olmo3Config(**c, sliding_window=32,
+                                                layer_types=["sliding_attention", "full_attention"]),
     # The layers from max_window_layers on do.
     "qwen2": lambda c: transformers.Qwen2Config(**c, use_sliding_window=True, sliding_window=32, max_window_layers=1),
 }
@@ -201,7 +209,7 @@ def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, toke
         Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "phi4-partial-rotary", "granite", "gemma2", "gemma3",
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "phi4-partial-rotary", "granite", "gemma2", "gemma3", "olmo2",
                                     "mistral-sliding"])
 def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokenizer, tmp_path):
     # Each rank reads its own query/key/value heads and MLP columns: from the fused Phi-3 tensors by

@@ -10,8 +10,9 @@ results are bit for bit those of the modules; it needs:
 - one rank (tensor parallelism all-reduces between the ops);
 - attention through our paged kernel (`layers.attention.kernel_calls`);
 - no sliding-window masks in the step (a window shorter than max_model_len);
-- no per-head query and key norms (Qwen3's), SiLU as the MLP's activation (not Gemma's GELU), and
-  Llama's layer (not Gemma 2's capped scores and normed outputs).
+- no query and key norms (Qwen3's per head, OLMo's per projection), SiLU as the MLP's activation
+  (not Gemma's GELU), and Llama's layer (not Gemma 2's capped scores and normed outputs, nor OLMo's
+  norms after the attention and MLP instead of before).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class DecoderStack:
         if first.mlp.activation != "silu":  # nor an activation other than SiLU (Gemma's GELU)
             return None
         if first.attn_output_norm is not None or first.self_attn.softcap is not None:  # nor Gemma 2's layer
+            return None
+        if first.input_layernorm is None:  # nor OLMo's, without norms before the attention and MLP
             return None
         if first.input_layernorm.eps != first.post_attention_layernorm.eps:
             return None

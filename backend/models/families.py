@@ -15,9 +15,13 @@ import torch.nn.functional as F
 
 from ..layers.rotary import partial_rotary_factor
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
+                         "olmo2", "olmo3")
 # an RMSNorm over each query and key head before the rotary embedding
 HEAD_NORM_MODEL_TYPES = ("qwen3", "gemma3_text")
+# an RMSNorm over the whole query projection and the whole key projection (all heads together), before
+# the rotary embedding
+PROJECTION_NORM_MODEL_TYPES = ("olmo2", "olmo3")
 # where transformers turns only `partial_rotary_factor` of each head's dimensions (Phi-4-mini); the
 # others' transformers modules turn them all whatever the config says
 PARTIAL_ROTARY_MODEL_TYPES = ("phi3",)
@@ -41,7 +45,8 @@ class FamilyVariant:
     - `logits_divisor` divides the logits (Granite: logits_scaling), folded into the final norm's weight;
     - `norm_weight_offset`: the RMSNorms multiply by offset + weight (Gemma: 1), folded into the weights;
     - `attention_softcap`, `logits_softcap`: scores and logits become cap * tanh(x / cap) (Gemma 2);
-    - `sandwich_norms`: each attention and MLP output is normed before its residual add (Gemma 2 and 3).
+    - `output_norms`: each attention and MLP output is normed before its residual add (Gemma 2 and 3, OLMo 2 and 3);
+    - `input_norms`: each attention and MLP input is normed (every family but OLMo 2 and 3).
     Folding rounds once more than transformers does (a relative 6e-8 in float32).
     """
 
@@ -52,7 +57,8 @@ class FamilyVariant:
     norm_weight_offset: float = 0.0
     attention_softcap: float | None = None
     logits_softcap: float | None = None
-    sandwich_norms: bool = False
+    output_norms: bool = False
+    input_norms: bool = True
 
     @classmethod
     def of(cls, cfg) -> "FamilyVariant":
@@ -64,7 +70,9 @@ class FamilyVariant:
         if cfg.model_type in ("gemma2", "gemma3_text"):
             return cls(embedding_scale=cfg.hidden_size ** 0.5, norm_weight_offset=1.0,
                        attention_scale=cfg.query_pre_attn_scalar ** -0.5, attention_softcap=cfg.attn_logit_softcapping,
-                       logits_softcap=cfg.final_logit_softcapping, sandwich_norms=True)
+                       logits_softcap=cfg.final_logit_softcapping, output_norms=True)
+        if cfg.model_type in ("olmo2", "olmo3"):
+            return cls(output_norms=True, input_norms=False)
         return cls()
 
 

@@ -1,16 +1,18 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Phi-4-mini, Granite, Gemma, Gemma 2,
-Gemma 3 text) with fused QKV and gate/up projections.
+Gemma 3 text, OLMo 2, OLMo 3) with fused QKV and gate/up projections.
 
-One GEMM computes Q, K and V together and one computes gate and up together; the results are
-split by views (Phi-3 checkpoints hold them fused already). The forward takes the step's flattened
-tokens; attention reads the paged KV pool. Qwen3 adds an RMSNorm over each query and key head
-before the rotary embedding (`q_norm`, `k_norm`). Granite and Gemma change the computation by a few
-numbers (`FamilyVariant`; how each family differs is read from its config in models/families.py), most
-of them folded into the weights at load; Gemma 2 also caps attention
-scores and logits, and norms each attention and MLP output before its residual add; Gemma 3 keeps
-that layer without the caps, adds Qwen3's head norms, and its sliding layers rotate by frequencies of
-their own (`local_rotary`). Phi-4-mini turns only part of each head: the loader reorders each query
-and key head's dimensions so the full-width rotary leaves the rest as they are (layers/rotary.py).
+One GEMM computes Q, K and V together and one computes gate and up together; the results are split
+by views (Phi-3 checkpoints hold them fused already). The forward takes the step's flattened tokens;
+attention reads the paged KV pool. Qwen3 adds an RMSNorm over each query and key head before the
+rotary embedding (`q_norm`, `k_norm`). Granite and Gemma change the computation by a few numbers
+(`FamilyVariant`; how each family differs is read from its config in models/families.py), most of
+them folded into the weights at load; Gemma 2 also caps attention scores and logits, and norms each
+attention and MLP output before its residual add; Gemma 3 keeps that layer without the caps, adds
+Qwen3's head norms, and its sliding layers rotate by frequencies of their own (`local_rotary`). OLMo
+2 norms the attention's and MLP's outputs instead of their inputs, and the whole query and key
+projections rather than each head (OLMo 3 adds sliding layers). Phi-4-mini turns only part of each
+head: the loader reorders each query and key head's dimensions so the full-width rotary leaves the
+rest as they are (layers/rotary.py).
 
 Sliding-window layers (Mistral's, Phi-3's, Gemma 2's and 3's, Qwen's past max_window_layers)
 attend to each query's last `sliding_window` positions through a mask of their own
@@ -34,7 +36,7 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_by_layer_type
 from ..tensor_parallel import SINGLE, TPShard
 from .decoder_stack import DecoderStack
-from .families import (ACTIVATIONS, HEAD_NORM_MODEL_TYPES, FamilyVariant, activation_name, attention_window,
+from .families import (ACTIVATIONS, HEAD_NORM_MODEL_TYPES, PROJECTION_NORM_MODEL_TYPES, FamilyVariant, activation_name, attention_window,
                        check_supported, kv_release_window, sliding_layers)
 
 _EXACT_HEAD_MAX_ROWS = 2  # steps of up to this many rows take an exact-block LM head over the greedy screen
@@ -60,9 +62,17 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
         self.rotary = rotary
-        head_norms = cfg.model_type in HEAD_NORM_MODEL_TYPES
-        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if head_norms else None
-        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if head_norms else None
+        # Qwen3 and Gemma 3 norm each query and key head; OLMo 2 and 3 the whole projections, of which this
+        # rank holds its heads' part (`_projection_norm` takes the statistic over every rank's).
+        self.projection_norms = cfg.model_type in PROJECTION_NORM_MODEL_TYPES
+        if cfg.model_type in HEAD_NORM_MODEL_TYPES:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps), RMSNorm(head_dim, cfg.rms_norm_eps)
+        elif self.projection_norms:
+            self.q_norm = RMSNorm(self.num_heads * head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.projection_widths = (cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -70,8 +80,12 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # in place, so the fused rotary + KV write below reads the normed heads
             q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
-            qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
-            qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
+            if self.projection_norms:
+                qkv[:, :q_end] = self._projection_norm(qkv[:, :q_end], self.q_norm, self.projection_widths[0])
+                qkv[:, q_end:k_end] = self._projection_norm(qkv[:, q_end:k_end], self.k_norm, self.projection_widths[1])
+            else:
+                qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
+                qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
         k_cache, v_cache = kv_cache
         cos, sin = meta.local_rope if self.local_rope else (meta.rope_cos, meta.rope_sin)
         if meta.cpu_kernels:  # rotary + KV write in one pass
@@ -83,6 +97,13 @@ class LlamaAttention(nn.Module):
             write_kv(k_cache, v_cache, k, qkv[:, self.num_heads + self.num_kv_heads:], meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta.sliding if self.sliding else meta, self.scale, self.softcap)
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
+
+    def _projection_norm(self, heads: torch.Tensor, norm: RMSNorm, width: int) -> torch.Tensor:
+        """OLMo's RMSNorm over a whole projection ([tokens, this rank's heads, head_dim]) of `width` values
+        across all ranks: the squares summed over every rank's heads, in float32 as transformers does."""
+        flat = heads.reshape(heads.shape[0], -1).float()
+        sum_sq = self.tp.all_reduce(flat.pow(2).sum(-1, keepdim=True))
+        return (norm.weight * (flat * torch.rsqrt(sum_sq / width + norm.eps))).to(heads.dtype).view_as(heads)
 
 
 class LlamaMLP(nn.Module):
@@ -112,16 +133,19 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, variant: FamilyVariant,
                  sliding: bool = False, local_rope: bool = False):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # OLMo 2 and 3 norm neither the attention's input nor the MLP's: those two are None there.
+        pre = variant.input_norms
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
         self.self_attn = LlamaAttention(cfg, head_dim, rotary, tp, variant.attention_scale, variant.attention_softcap,
                                         sliding, local_rope)
         # The norm between the attention's residual add and the MLP (Gemma 2 calls it pre_feedforward_layernorm).
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
         self.mlp = LlamaMLP(cfg, tp)
-        # Gemma 2: norms of the attention's and the MLP's outputs (its post_attention_ and post_feedforward_layernorm).
-        sandwich = variant.sandwich_norms
-        self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
-        self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
+        # Gemma 2 and 3, OLMo 2 and 3: norms of the attention's and the MLP's outputs (their
+        # post_attention_ and post_feedforward_layernorm).
+        post = variant.output_norms
+        self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
+        self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         """`residual` is the stream so far, `hidden` the previous layer's MLP output to add to it
@@ -129,17 +153,26 @@ class LlamaDecoderLayer(nn.Module):
         Returns this layer's MLP output and the residual stream (updated in place)."""
         fused = meta.cpu_kernels
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual = hidden
+            hidden = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
         else:
-            hidden = self.input_layernorm.add_and_norm(residual, hidden, fused)
+            hidden = _add_and_norm(self.input_layernorm, residual, hidden, fused)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
         if self.attn_output_norm is not None:
             hidden = self.attn_output_norm(hidden)
-        hidden = self.post_attention_layernorm.add_and_norm(residual, hidden, fused)
+        hidden = _add_and_norm(self.post_attention_layernorm, residual, hidden, fused)
         hidden = self.mlp(hidden, fused)
         if self.mlp_output_norm is not None:
             hidden = self.mlp_output_norm(hidden)
         return hidden, residual
+
+
+def _add_and_norm(norm: RMSNorm | None, residual: torch.Tensor, hidden: torch.Tensor, fused: bool) -> torch.Tensor:
+    """residual += hidden, then `norm` of it; without a norm (OLMo) the stream itself, which the
+    attention or MLP reads before the next add changes it in place."""
+    if norm is None:
+        return residual.add_(hidden)
+    return norm.add_and_norm(residual, hidden, fused)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -296,11 +329,13 @@ class LlamaForCausalLM(nn.Module):
             put("lm_head.weight", get("lm_head.weight"))
         for i in range(self.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
-            put(dst + "input_layernorm.weight", get(src + "input_layernorm.weight"))
-            if self.variant.sandwich_norms:  # Gemma 2's names for the four norms
+            if self.variant.input_norms:
+                put(dst + "input_layernorm.weight", get(src + "input_layernorm.weight"))
+            if self.variant.output_norms:  # Gemma's and OLMo's names for the output norms (and Gemma's pre-MLP one)
                 put(dst + "attn_output_norm.weight", get(src + "post_attention_layernorm.weight"))
-                put(dst + "post_attention_layernorm.weight", get(src + "pre_feedforward_layernorm.weight"))
                 put(dst + "mlp_output_norm.weight", get(src + "post_feedforward_layernorm.weight"))
+                if self.variant.input_norms:
+                    put(dst + "post_attention_layernorm.weight", get(src + "pre_feedforward_layernorm.weight"))
             else:
                 put(dst + "post_attention_layernorm.weight", get(src + "post_attention_layernorm.weight"))
             attn = src + "self_attn."
@@ -308,7 +343,10 @@ class LlamaForCausalLM(nn.Module):
             if self.layers[i].self_attn.qkv_proj.bias is not None:
                 put(dst + "self_attn.qkv_proj.bias", rotary_ordered(qkv_part(attn, "bias")))
             put(dst + "self_attn.o_proj.weight", tensors.cols(attn + "o_proj.weight", *q_rows))
-            if self.layers[i].self_attn.q_norm is not None:  # per head: every rank holds the whole weight
+            if self.layers[i].self_attn.projection_norms:  # over whole projections: this rank's heads' part
+                put(dst + "self_attn.q_norm.weight", tensors.rows(attn + "q_norm.weight", *q_rows))
+                put(dst + "self_attn.k_norm.weight", tensors.rows(attn + "k_norm.weight", *kv_rows))
+            elif self.layers[i].self_attn.q_norm is not None:  # per head: every rank holds the whole weight
                 for norm in ("q_norm", "k_norm"):
                     weight = get(f"{attn}{norm}.weight")
                     put(f"{dst}self_attn.{norm}.weight", weight if order is None else weight[order])
