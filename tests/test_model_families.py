@@ -1,6 +1,6 @@
 """The Llama-family architectures the engine loads besides the default model (Llama with scaled rotary
 frequencies, Qwen2, Mistral, Qwen3, Phi-3, Phi-4-mini's partial rotary, Granite, Gemma, Gemma 2,
-Gemma 3, OLMo 2 and 3): small random models written by transformers itself, whose greedy outputs
+Gemma 3, OLMo 2 and 3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE): small random models written by transformers itself, whose greedy outputs
 through the engine must equal transformers' generate on the same weights."""
 
 from __future__ import annotations
@@ -56,6 +56,17 @@ FAMILIES = {
     # OLMo 2: no norms before the attention and MLP, norms of their outputs instead, and RMSNorms over
     # the whole query and key projections.
     "olmo2": lambda c: transformers.Olmo2Config(**c),
+    # Mixtures of experts. Mixtral: 2 of 4 experts per token, their weights renormalized.
+    "mixtral": lambda c: transformers.MixtralConfig(**c, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    # Qwen2-MoE: weights not renormalized, a sigmoid-gated shared expert, the first layer dense (mlp_only_layers).
+    "qwen2_moe": lambda c: transformers.Qwen2MoeConfig(**c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                       shared_expert_intermediate_size=96, norm_topk_prob=False,
+                                                       mlp_only_layers=[0]),
+    # Qwen3-MoE: Qwen3's head norms, renormalized weights.
+    "qwen3_moe": lambda c: transformers.Qwen3MoeConfig(**c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                       norm_topk_prob=True, head_dim=32),
+    # OLMoE: OLMo's projection norms with Llama's pre-norm layer, 3 of 8 experts, not renormalized.
+    "olmoe": lambda c: transformers.OlmoeConfig(**c, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False),
 }
 
 
@@ -210,7 +221,7 @@ def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, toke
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3", "phi4-partial-rotary", "granite", "gemma2", "gemma3", "olmo2",
-                                    "mistral-sliding"])
+                                    "qwen2_moe", "olmoe", "mistral-sliding"])
 def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokenizer, tmp_path):
     # Each rank reads its own query/key/value heads and MLP columns: from the fused Phi-3 tensors by
     # offset, Qwen3's head norms whole, and Granite's residual multiplier folded into each rank's rows.

@@ -12,7 +12,7 @@ results are bit for bit those of the modules; it needs:
 - no sliding-window masks in the step (a window shorter than max_model_len);
 - no query and key norms (Qwen3's per head, OLMo's per projection), SiLU as the MLP's activation
   (not Gemma's GELU), and Llama's layer (not Gemma 2's capped scores and normed outputs, nor OLMo's
-  norms after the attention and MLP instead of before).
+  norms after the attention and MLP instead of before), and a dense MLP in every layer (no experts).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from .. import cpu_kernels
 from ..layers.attention import AttentionMetadata, kernel_calls
 from ..layers.linear import BLOCKS_MAX_ROWS, PackedWeight
+from .mlp import GatedMLP
 
 
 class DecoderStack:
@@ -47,6 +48,8 @@ class DecoderStack:
     def build(cls, model) -> "DecoderStack | None":
         layers = list(model.layers)
         if model.tp.world_size != 1 or not layers or not cpu_kernels.load():
+            return None
+        if not all(isinstance(layer.mlp, GatedMLP) for layer in layers):  # a mixture of experts: the modules run
             return None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp

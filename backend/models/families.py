@@ -3,7 +3,8 @@
 `models/llama.py` builds one decoder from these answers: which families it loads and what it refuses
 (`check_supported`), the MLP's activation, the few numbers by which Granite and the Gemmas scale or
 cap the computation (`FamilyVariant`), which layers attend through a sliding window
-(`sliding_layers`, `kv_release_window`), and how long a sequence stays exact (`exact_context_limit`).
+(`sliding_layers`, `kv_release_window`), where experts replace the MLP (`MoeSpec`), and how long a
+sequence stays exact (`exact_context_limit`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import torch.nn.functional as F
 
 from ..layers.rotary import partial_rotary_factor
 
+# mixtures of experts in place of (some of) the dense MLPs (`MoeSpec`)
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3_text",
-                         "olmo2", "olmo3")
+                         "olmo2", "olmo3") + MOE_MODEL_TYPES
 # an RMSNorm over each query and key head before the rotary embedding
-HEAD_NORM_MODEL_TYPES = ("qwen3", "gemma3_text")
+HEAD_NORM_MODEL_TYPES = ("qwen3", "gemma3_text", "qwen3_moe")
 # an RMSNorm over the whole query projection and the whole key projection (all heads together), before
 # the rotary embedding
-PROJECTION_NORM_MODEL_TYPES = ("olmo2", "olmo3")
+PROJECTION_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe")
 # where transformers turns only `partial_rotary_factor` of each head's dimensions (Phi-4-mini); the
 # others' transformers modules turn them all whatever the config says
 PARTIAL_ROTARY_MODEL_TYPES = ("phi3",)
@@ -76,6 +79,46 @@ class FamilyVariant:
         return cls()
 
 
+@dataclass(frozen=True)
+class MoeSpec:
+    """A mixture of experts in place of the dense MLP (models/moe.py), as the family's config sets it:
+    - `top_k` of `num_experts` experts per token, picked by softmax probability; `normalize_top_k`: those k
+      probabilities renormalized to sum to 1 (Mixtral always; the others by `norm_topk_prob`);
+    - each expert a gated MLP of `expert_size` (Qwen's `moe_intermediate_size`, else `intermediate_size`);
+    - `shared_expert_size`: Qwen2-MoE's expert that every token takes, gated by a sigmoid of its own;
+    - `checkpoint_names`: the block's name in the checkpoint and its experts' gate, up and down names.
+    """
+
+    num_experts: int
+    top_k: int
+    normalize_top_k: bool
+    expert_size: int
+    shared_expert_size: int | None
+    checkpoint_names: tuple[str, str, str, str]
+
+    @classmethod
+    def of(cls, cfg) -> "MoeSpec | None":
+        if cfg.model_type not in MOE_MODEL_TYPES:
+            return None
+        mixtral = cfg.model_type == "mixtral"
+        return cls(num_experts=getattr(cfg, "num_local_experts", None) or cfg.num_experts,
+                   top_k=cfg.num_experts_per_tok,
+                   normalize_top_k=True if mixtral else bool(cfg.norm_topk_prob),
+                   expert_size=getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size,
+                   shared_expert_size=getattr(cfg, "shared_expert_intermediate_size", None) or None,
+                   checkpoint_names=("block_sparse_moe", "w1", "w3", "w2") if mixtral else
+                                    ("mlp", "gate_proj", "up_proj", "down_proj"))
+
+    @staticmethod
+    def in_layer(cfg, index: int) -> bool:
+        """Whether layer `index` has the experts (Qwen's MoE configs keep some layers dense:
+        mlp_only_layers, and all but every decoder_sparse_step-th)."""
+        if cfg.model_type not in ("qwen2_moe", "qwen3_moe"):
+            return True
+        step = getattr(cfg, "decoder_sparse_step", 1) or 1
+        return index not in (getattr(cfg, "mlp_only_layers", None) or []) and (index + 1) % step == 0
+
+
 def check_supported(cfg) -> None:
     """Raise ValueError naming what `models/llama.py` cannot compute for this config."""
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -86,6 +129,8 @@ def check_supported(cfg) -> None:
                          f"for model_type {cfg.model_type!r} (only {', '.join(PARTIAL_ROTARY_MODEL_TYPES)})")
     if activation_name(cfg) not in ACTIVATIONS:
         raise ValueError(f"hidden_act {activation_name(cfg)!r} is not supported ({', '.join(ACTIVATIONS)})")
+    if getattr(cfg, "clip_qkv", None) is not None:  # OLMoE's option to clamp Q, K and V
+        raise ValueError(f"clip_qkv={cfg.clip_qkv} is not supported")
     if getattr(cfg, "use_bidirectional_attention", False):
         raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
 
@@ -100,7 +145,7 @@ def sliding_layers(cfg) -> list[bool]:
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
         return [kind == "sliding_attention" for kind in layer_types[:n]]
-    if cfg.model_type in ("qwen2", "qwen3"):  # configs without layer_types: the layers from max_window_layers on
+    if cfg.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):  # configs without layer_types: the layers from max_window_layers on
         first = getattr(cfg, "max_window_layers", 0) if getattr(cfg, "use_sliding_window", False) else n
         return [i >= first for i in range(n)]
     return [True] * n

@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Phi-4-mini, Granite, Gemma, Gemma 2,
-Gemma 3 text, OLMo 2, OLMo 3) with fused QKV and gate/up projections.
+Gemma 3 text, OLMo 2, OLMo 3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) with
+fused QKV and gate/up projections.
 
 One GEMM computes Q, K and V together and one computes gate and up together; the results are split
 by views (Phi-3 checkpoints hold them fused already). The forward takes the step's flattened tokens;
@@ -10,9 +11,10 @@ them folded into the weights at load; Gemma 2 also caps attention scores and log
 attention and MLP output before its residual add; Gemma 3 keeps that layer without the caps, adds
 Qwen3's head norms, and its sliding layers rotate by frequencies of their own (`local_rotary`). OLMo
 2 norms the attention's and MLP's outputs instead of their inputs, and the whole query and key
-projections rather than each head (OLMo 3 adds sliding layers). Phi-4-mini turns only part of each
-head: the loader reorders each query and key head's dimensions so the full-width rotary leaves the
-rest as they are (layers/rotary.py).
+projections rather than each head (OLMo 3 adds sliding layers). Mixtral, Qwen2-MoE, Qwen3-MoE and
+OLMoE put a mixture of experts in place of the MLP (models/moe.py). Phi-4-mini turns only part of
+each head: the loader reorders each query and key head's dimensions so the full-width rotary leaves
+the rest as they are (layers/rotary.py).
 
 Sliding-window layers (Mistral's, Phi-3's, Gemma 2's and 3's, Qwen's past max_window_layers)
 attend to each query's last `sliding_window` positions through a mask of their own
@@ -36,8 +38,10 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_by_layer_type
 from ..tensor_parallel import SINGLE, TPShard
 from .decoder_stack import DecoderStack
-from .families import (ACTIVATIONS, HEAD_NORM_MODEL_TYPES, PROJECTION_NORM_MODEL_TYPES, FamilyVariant, activation_name, attention_window,
+from .families import (HEAD_NORM_MODEL_TYPES, PROJECTION_NORM_MODEL_TYPES, FamilyVariant, MoeSpec, attention_window,
                        check_supported, kv_release_window, sliding_layers)
+from .mlp import GatedMLP
+from .moe import SparseMoeMLP
 
 _EXACT_HEAD_MAX_ROWS = 2  # steps of up to this many rows take an exact-block LM head over the greedy screen
 
@@ -58,7 +62,7 @@ class LlamaAttention(nn.Module):
         self.softcap = softcap
         self.sliding = sliding  # attends through the step's sliding-window masks (meta.sliding)
         self.local_rope = local_rope  # rotates by the sliding layers' own frequencies (meta.local_rope)
-        bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False)) or cfg.model_type == "qwen2"
         self.qkv_proj = Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
         self.rotary = rotary
@@ -106,32 +110,9 @@ class LlamaAttention(nn.Module):
         return (norm.weight * (flat * torch.rsqrt(sum_sq / width + norm.eps))).to(heads.dtype).view_as(heads)
 
 
-class LlamaMLP(nn.Module):
-    """This rank's columns of gate/up (one fused GEMM) and rows of down, then one all-reduce."""
-
-    def __init__(self, cfg, tp: TPShard):
-        super().__init__()
-        start, end = tp.split(cfg.intermediate_size)
-        self.intermediate_size = end - start
-        self.tp = tp
-        self.activation = activation_name(cfg)
-        self.act = ACTIVATIONS[self.activation]
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if fused and self.activation == "silu":
-            act = cpu_kernels.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = self.act(gate) * up
-        return self.tp.all_reduce(self.down_proj(act))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, variant: FamilyVariant,
-                 sliding: bool = False, local_rope: bool = False):
+                 sliding: bool = False, local_rope: bool = False, moe: MoeSpec | None = None):
         super().__init__()
         # OLMo 2 and 3 norm neither the attention's input nor the MLP's: those two are None there.
         pre = variant.input_norms
@@ -140,7 +121,7 @@ class LlamaDecoderLayer(nn.Module):
                                         sliding, local_rope)
         # The norm between the attention's residual add and the MLP (Gemma 2 calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = GatedMLP(cfg, tp) if moe is None else SparseMoeMLP(cfg, tp, moe)
         # Gemma 2 and 3, OLMo 2 and 3: norms of the attention's and the MLP's outputs (their
         # post_attention_ and post_feedforward_layernorm).
         post = variant.output_norms
@@ -198,9 +179,10 @@ class LlamaForCausalLM(nn.Module):
         sliding = sliding_layers(cfg)
         self.attention_window = attention_window(cfg, max_position)
         self.kv_release_window = kv_release_window(cfg, max_position)  # the scheduler frees blocks behind it
+        moe = MoeSpec.of(cfg)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, self.head_dim, self.rotary, tp, self.variant, sliding[i] and bool(self.attention_window),
-                              local_rope=by_type and sliding[i])
+                              local_rope=by_type and sliding[i], moe=moe if moe and moe.in_layer(cfg, i) else None)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -302,7 +284,6 @@ class LlamaForCausalLM(nn.Module):
         per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
         q_rows = (kv_start * per_kv * d, kv_end * per_kv * d)  # this rank's query heads
         kv_rows = (kv_start * d, kv_end * d)
-        mlp_rows = tp.split(cfg.intermediate_size)
         get = tensors.__getitem__
 
         def qkv_part(attn: str, kind: str) -> torch.Tensor:
@@ -314,6 +295,14 @@ class LlamaForCausalLM(nn.Module):
                 return torch.cat([tensors.rows(fused, *span) for span in spans], dim=0)
             spans = {"q": q_rows, "k": kv_rows, "v": kv_rows}
             return torch.cat([tensors.rows(f"{attn}{p}_proj.{kind}", *spans[p]) for p in "qkv"], dim=0)
+
+        def gated(dst_prefix: str, src_prefix: str, names: tuple[str, str, str], size: int) -> None:
+            """A gated MLP's gate and up rows (fused) and down columns, this rank's part of `size`."""
+            gate, up, down = names
+            rows = tp.split(size)
+            put(dst_prefix + "gate_up_proj.weight", torch.cat([tensors.rows(f"{src_prefix}{gate}.weight", *rows),
+                                                               tensors.rows(f"{src_prefix}{up}.weight", *rows)]))
+            put(dst_prefix + "down_proj.weight", tensors.cols(f"{src_prefix}{down}.weight", *rows))
 
         order = self.rotary.dim_order  # a partial rotary embedding: each query and key head's dimensions reordered
 
@@ -350,16 +339,24 @@ class LlamaForCausalLM(nn.Module):
                 for norm in ("q_norm", "k_norm"):
                     weight = get(f"{attn}{norm}.weight")
                     put(f"{dst}self_attn.{norm}.weight", weight if order is None else weight[order])
-            mlp = src + "mlp."
-            if mlp + "gate_up_proj.weight" in tensors:  # fused in the checkpoint (Phi-3): gate rows, then up rows
-                fused, size = mlp + "gate_up_proj.weight", cfg.intermediate_size
+            mlp = self.layers[i].mlp
+            if isinstance(mlp, SparseMoeMLP):
+                block, gate, up, down = mlp.spec.checkpoint_names
+                put(dst + "mlp.gate.weight", get(f"{src}{block}.gate.weight"))
+                for e in range(mlp.spec.num_experts):
+                    gated(f"{dst}mlp.experts.{e}.", f"{src}{block}.experts.{e}.", (gate, up, down), mlp.spec.expert_size)
+                if mlp.shared_expert is not None:  # Qwen2-MoE
+                    gated(dst + "mlp.shared_expert.", f"{src}{block}.shared_expert.", ("gate_proj", "up_proj", "down_proj"),
+                          mlp.spec.shared_expert_size)
+                    put(dst + "mlp.shared_expert_gate.weight", get(f"{src}{block}.shared_expert_gate.weight"))
+            elif src + "mlp.gate_up_proj.weight" in tensors:  # fused in the checkpoint (Phi-3): gate rows, then up rows
+                fused, size = src + "mlp.gate_up_proj.weight", cfg.intermediate_size
+                mlp_rows = tp.split(size)
                 put(dst + "mlp.gate_up_proj.weight", torch.cat([tensors.rows(fused, *mlp_rows),
                                                                 tensors.rows(fused, size + mlp_rows[0], size + mlp_rows[1])]))
+                put(dst + "mlp.down_proj.weight", tensors.cols(src + "mlp.down_proj.weight", *mlp_rows))
             else:
-                put(dst + "mlp.gate_up_proj.weight",
-                    torch.cat([tensors.rows(mlp + "gate_proj.weight", *mlp_rows),
-                               tensors.rows(mlp + "up_proj.weight", *mlp_rows)], dim=0))
-            put(dst + "mlp.down_proj.weight", tensors.cols(mlp + "down_proj.weight", *mlp_rows))
+                gated(dst + "mlp.", src + "mlp.", ("gate_proj", "up_proj", "down_proj"), cfg.intermediate_size)
         missing = sorted(set(own) - loaded)
         if missing:
             raise ValueError(f"weights missing from the checkpoint: {missing[:5]}")
