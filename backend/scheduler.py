@@ -182,15 +182,21 @@ class Scheduler:
         """
         bs = self.block_manager.block_size
         if self.model_window:
-            for index in range(max(seq.num_computed_tokens - self.model_window, 0) // bs):
-                self.block_manager.release_block(seq, index, exact=True)
+            self._release_blocks(seq, 0, max(seq.num_computed_tokens - self.model_window, 0) // bs, exact=True)
         window = self.kv_window or int(self.kv_window_ratio * seq.num_prompt_tokens)
         if not window:
             return
         keep_from = seq.num_computed_tokens - window  # first position still attended
         first_block = -(-self.kv_sink_tokens // bs)  # sink blocks are never pruned
-        for index in range(first_block, max(keep_from, 0) // bs):
-            self.block_manager.release_block(seq, index)
+        self._release_blocks(seq, first_block, max(keep_from, 0) // bs)
+
+    def _release_blocks(self, seq: Sequence, first: int, end: int, exact: bool = False) -> None:
+        """Release blocks [first, end) of `seq`, newest first. Every step releases such a range with an
+        end that only grows, so the first block found released marks where the last step stopped."""
+        for index in range(end - 1, first - 1, -1):
+            if seq.block_table[index] < 0:
+                break
+            self.block_manager.release_block(seq, index, exact)
 
     # ---- after the forward -----------------------------------------------------------------
     def commit(self, out: SchedulerOutput) -> None:
