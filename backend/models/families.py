@@ -112,11 +112,12 @@ class MoeSpec:
     @staticmethod
     def in_layer(cfg, index: int) -> bool:
         """Whether layer `index` has the experts (Qwen's MoE configs keep some layers dense:
-        mlp_only_layers, and all but every decoder_sparse_step-th)."""
+        mlp_only_layers, all but every decoder_sparse_step-th, and every layer when num_experts is 0, as
+        transformers builds them)."""
         if cfg.model_type not in ("qwen2_moe", "qwen3_moe"):
             return True
         step = getattr(cfg, "decoder_sparse_step", 1) or 1
-        return index not in (getattr(cfg, "mlp_only_layers", None) or []) and (index + 1) % step == 0
+        return cfg.num_experts > 0 and index not in (getattr(cfg, "mlp_only_layers", None) or []) and (index + 1) % step == 0
 
 
 def check_supported(cfg) -> None:
