@@ -6,11 +6,12 @@ Exactly one of:
 - `{"regex": pattern}`: the output matches the pattern as a whole (guided_regex.py);
 - `{"json": schema}` (an object or JSON text): the output is JSON that the schema accepts, through
   the schema's regular expression (json_schema_regex.py);
-- `{"json_object": true}`: the output is a JSON object.
+- `{"json_object": true}`: the output is a JSON object;
+- `{"grammar": text}`: the output is a sentence of a context-free grammar, GBNF or Lark (guided_grammar.py).
 
 `whitespace_pattern` replaces the JSON guides' whitespace after `:` and `,` (one optional space by
-default); `backend` and vLLM's other switches are accepted and change nothing here. `grammar` and
-`structural_tag` are refused with a clear error, as is a pattern or schema this server cannot follow.
+default); `backend` and vLLM's other switches are accepted and change nothing here. `structural_tag`
+is refused with a clear error, as is a pattern, schema or grammar this server cannot follow.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from functools import lru_cache
 
 from .errors import InvalidRequestError
 from .guided_choice import GuidedChoice
+from .guided_grammar import GrammarVocabulary, GuidedGrammar, compile_grammar
 from .guided_regex import GuidedRegex, VocabularyTrie
 from .json_schema_regex import DEFAULT_WHITESPACE, any_object_regex, json_schema_regex
 from .regex_automaton import RegexAutomaton
 
-GUIDE_KINDS = ("choice", "regex", "json", "json_object")
+GUIDE_KINDS = ("choice", "regex", "json", "json_object", "grammar")
 # Accepted for vLLM clients; none changes what a guide allows here.
 _SWITCHES = ("backend", "whitespace_pattern", "disable_fallback", "disable_any_whitespace",
              "disable_additional_properties")
@@ -57,8 +59,8 @@ def parse_guided_decoding(guided) -> dict | None:
         if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):
             raise InvalidRequestError(f"guided_decoding choice must be a non-empty list of non-empty strings, "
                                       f"got {choice!r}")
-    elif kind == "regex" and (not isinstance(given["regex"], str) or not given["regex"]):
-        raise InvalidRequestError(f"guided_decoding regex must be a non-empty string, got {given['regex']!r}")
+    elif kind in ("regex", "grammar") and (not isinstance(given[kind], str) or not given[kind].strip()):
+        raise InvalidRequestError(f"guided_decoding {kind} must be a non-empty string, got {given[kind]!r}")
     elif kind == "json" and isinstance(given["json"], str):
         try:
             given["json"] = json.loads(given["json"])
@@ -66,14 +68,16 @@ def parse_guided_decoding(guided) -> dict | None:
             raise InvalidRequestError(f"guided_decoding json schema is not valid JSON: {exc}") from None
     if not isinstance(given.get("whitespace_pattern", ""), str):
         raise InvalidRequestError("guided_decoding whitespace_pattern must be a string (a regular expression)")
-    pattern = guide_pattern(given)
-    if pattern is not None:
-        compiled_automaton(pattern)  # refuses what the automaton cannot follow, now rather than mid-batch
+    # Refuse what cannot be followed now, rather than mid-batch.
+    if kind == "grammar":
+        compile_grammar(given["grammar"])
+    elif kind != "choice":
+        compiled_automaton(guide_pattern(given))
     return given
 
 
 def guide_pattern(guided: dict) -> str | None:
-    """The regular expression a checked guided_decoding asks the output to match (None: a choice)."""
+    """The regular expression a checked guided_decoding asks the output to match (None: a choice or a grammar)."""
     whitespace = guided.get("whitespace_pattern") or DEFAULT_WHITESPACE
     if "regex" in guided:
         return guided["regex"]
@@ -92,19 +96,24 @@ def compiled_automaton(pattern: str) -> RegexAutomaton:
 
 class Guides:
     """An engine's guides: the vocabulary as a trie (built at the first pattern guide) and one guide per
-    pattern, the `capacity` most recently used kept with the token sets their states allow."""
+    pattern, the `capacity` most recently used kept with the token sets their states allow; for
+    grammars, the vocabulary as llguidance's (built at the first grammar) and one guide per grammar."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int], capacity: int = 64):
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.capacity = capacity
         self._vocabulary: VocabularyTrie | None = None
+        self._grammar_vocabulary: GrammarVocabulary | None = None
         self._by_pattern: OrderedDict[str, GuidedRegex] = OrderedDict()
+        self._by_grammar: OrderedDict[str, GuidedGrammar] = OrderedDict()
         self._lock = threading.Lock()  # requests arrive on Triton's threads
 
-    def for_request(self, guided: dict | None) -> GuidedChoice | GuidedRegex | None:
+    def for_request(self, guided: dict | None) -> GuidedChoice | GuidedRegex | GuidedGrammar | None:
         if not guided:
             return None
+        if "grammar" in guided:
+            return self._grammar_guide(guided["grammar"])
         pattern = guide_pattern(guided)
         if pattern is None:
             return GuidedChoice([tuple(self.tokenizer.encode(c, add_special_tokens=False)) for c in guided["choice"]],
@@ -119,4 +128,17 @@ class Guides:
                 while len(self._by_pattern) > self.capacity:
                     self._by_pattern.popitem(last=False)
             self._by_pattern.move_to_end(pattern)
+        return guide
+
+    def _grammar_guide(self, text: str) -> GuidedGrammar:
+        grammar = compile_grammar(text)
+        with self._lock:
+            guide = self._by_grammar.get(text)
+            if guide is None:
+                if self._grammar_vocabulary is None:
+                    self._grammar_vocabulary = GrammarVocabulary(self.tokenizer, self.eos_token_ids)
+                guide = self._by_grammar[text] = GuidedGrammar(grammar, self._grammar_vocabulary)
+                while len(self._by_grammar) > self.capacity:
+                    self._by_grammar.popitem(last=False)
+            self._by_grammar.move_to_end(text)
         return guide

@@ -91,6 +91,7 @@ class GuidedRegex:
         self.vocabulary = vocabulary
         self.eos = np.asarray(sorted(eos_token_ids), dtype=np.int64)
         self._live: dict[int, np.ndarray] = {}  # automaton state -> its live tokens
+        self._masks: dict[int, np.ndarray] = {}  # automaton state -> allowed_in(state) as packed bits
         # Row s: the automaton's state after each character of the vocabulary's alphabet from state s.
         self._table = np.zeros((0, len(vocabulary.alphabet)), dtype=np.int64)
         self._has_row = np.zeros(0, dtype=bool)
@@ -140,6 +141,17 @@ class GuidedRegex:
             return np.union1d(live, self.eos)
         return live
 
+    def allowed_mask_in(self, state: int) -> np.ndarray:
+        """`allowed_in(state)` as a bool per token of the vocabulary. Inside a JSON string
+        nearly every token is allowed: writing ~48k ids into a step's mask took ~120 us a row, these
+        bits ~5 us."""
+        packed = self._masks.get(state)
+        if packed is None:
+            mask = np.zeros(len(self.vocabulary.texts), dtype=bool)
+            mask[self.allowed_in(state)] = True
+            packed = self._masks[state] = np.packbits(mask, bitorder="little")
+        return np.unpackbits(packed, count=len(self.vocabulary.texts), bitorder="little").view(bool)
+
     def is_complete(self, output: list[int]) -> bool:
         """Whether `output` matches and no token can extend it: nothing more may follow."""
         return self.complete_in(self.automaton.walk(self.text_of(output)))
@@ -175,6 +187,9 @@ class RegexCursor:
 
     def allowed_tokens(self, output: list[int]) -> np.ndarray:
         return self.guide.allowed_in(self._state_after(output))
+
+    def allowed_mask(self, output: list[int]) -> np.ndarray:
+        return self.guide.allowed_mask_in(self._state_after(output))
 
     def is_complete(self, output: list[int]) -> bool:
         return self.guide.complete_in(self._state_after(output))

@@ -55,13 +55,32 @@ class AllowedTokens:
 
     @classmethod
     def gather(cls, parts: list[tuple[int, np.ndarray]], vocab: int, device: torch.device) -> AllowedTokens | None:
+        """Per row (row, its allowed tokens: ids, or a bool per token of the tokenizer's vocabulary) -> tensors."""
         if not parts:
             return None
         forbidden = np.ones((len(parts), vocab), dtype=bool)
-        for i, (_, ids) in enumerate(parts):
-            forbidden[i, ids] = False
+        for i, (_, allowed) in enumerate(parts):
+            if allowed.dtype == np.bool_:
+                np.logical_not(allowed, out=forbidden[i, :len(allowed)])
+            else:
+                forbidden[i, allowed] = False
         rows = np.fromiter((row for row, _ in parts), dtype=np.int64, count=len(parts))
         return cls(*(torch.from_numpy(a).to(device, non_blocking=True) for a in (rows, forbidden)))
+
+
+def _guide_allows(guide, output: list[int], explicit: np.ndarray | None) -> np.ndarray:
+    """A guide's next tokens (a bool per token where the guide gives them so, else ids), and with
+    allowed_token_ids (`explicit`, sorted ids) those both allow."""
+    mask_of = getattr(guide, "allowed_mask", None)  # guides that allow thousands of tokens at a time
+    due = mask_of(output) if mask_of is not None else np.asarray(guide.allowed_tokens(output), dtype=np.int64)
+    if explicit is None:
+        return due
+    if due.dtype == np.bool_:
+        inside = explicit[explicit < len(due)]
+        both = inside[due[inside]]
+    else:
+        both = np.intersect1d(explicit, due)
+    return both if len(both) else due  # nothing both allow: the guide wins, as the stricter constraint
 
 
 @dataclass
@@ -99,10 +118,7 @@ class LogitAdjustments:
             if p.allowed_token_ids or seq.guided is not None:
                 ids = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64)) if p.allowed_token_ids else None
                 if seq.guided is not None:  # the guide's next tokens (with allowed_token_ids: both)
-                    due = np.asarray(seq.guided.allowed_tokens(seq.output_token_ids), dtype=np.int64)
-                    ids = due if ids is None else np.intersect1d(ids, due)
-                    if not len(ids):  # nothing both allow: the guide wins, as the stricter constraint
-                        ids = due
+                    ids = _guide_allows(seq.guided, seq.output_token_ids, ids)
                 allowed.append((row, ids))
         if not (repeat or output or bias or banned or allowed):
             return None

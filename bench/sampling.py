@@ -5,7 +5,8 @@
 All requests arrive at once and run to max_tokens (ignore_eos) in one engine, so every mode does
 the same work in the same batches; only the token choice differs. Modes: greedy, sampled
 (temperature 0.8), sampled with top_p 0.95, with top_k 50, with a seed per request, and greedy
-under a JSON schema guide (that one stops when its JSON is complete, so its tokens differ).
+under a JSON schema guide and under a grammar of the same JSON (those stop when their JSON is
+complete, so their tokens differ).
 Prints output tok/s per mode and its ratio to greedy, the best of --rounds.
 """
 
@@ -22,6 +23,12 @@ from tritonllm.sampling_params import SamplingParams
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
                                            "city": {"type": "string"},
                                            "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
+# The same person as GBNF (guided_grammar.py, llguidance) rather than a schema (our regex automaton).
+PERSON_GBNF = r"""
+root   ::= "{\"name\": " string ", \"age\": " [0-9]{1,3} ", \"city\": " string ", \"hobbies\": [" hobbies "]}"
+hobbies ::= ( string ( ", " string ){0,2} )?
+string ::= "\"" [^"\\]{0,24} "\""
+"""
 MODES = {
     "greedy": {},
     "sampled": {"temperature": 0.8},
@@ -29,6 +36,7 @@ MODES = {
     "sampled top_k=50": {"temperature": 0.8, "top_k": 50},
     "sampled seeded": {"temperature": 0.8, "seed": 7},
     "greedy json schema": {"guided_decoding": {"json": PERSON}, "ignore_eos": False},
+    "greedy grammar": {"guided_decoding": {"grammar": PERSON_GBNF}, "ignore_eos": False},
 }
 
 

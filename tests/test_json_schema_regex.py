@@ -78,7 +78,7 @@ def test_whitespace_pattern_replaces_the_default():
     ({"json": {"allOf": [{"type": "string"}, {"minLength": 1}]}}, "allOf"),
     ({"json": {"type": "tuple"}}, "unknown type"),
     ({"json": "{not json"}, "not valid JSON"),
-    ({"grammar": "root ::= 'a'"}, "grammar"),
+    ({"structural_tag": '{"structures": []}'}, "structural_tag"),
     ({"regex": "a", "choice": ["a"]}, "exactly one"),
     ({"backend": "xgrammar"}, "exactly one"),
     ({"choice": []}, "non-empty list"),

@@ -8,7 +8,10 @@ import torch
 
 from grpc_stream import StreamClient, make_inputs
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
+from tritonllm.guided_choice import GuidedChoice
+from tritonllm.guided_regex import GuidedRegex, VocabularyTrie
 from tritonllm.logit_adjustments import LogitAdjustments
+from tritonllm.regex_automaton import RegexAutomaton
 from tritonllm.sampling_params import InvalidRequestError, SamplingParams
 from tritonllm.scheduler import ScheduledSeq
 from tritonllm.sequence import Sequence
@@ -127,6 +130,20 @@ def test_bad_words_are_never_generated(engine, tokenizer):
     assert out.token_ids != plain.token_ids and len(variants) >= len(words)
     for w in variants:
         assert not any(tuple(out.token_ids[i:i + len(w)]) == w for i in range(len(out.token_ids))), w
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["guide-mask", "guide-ids"])
+def test_a_guides_tokens_meet_allowed_token_ids_and_win_when_they_share_none(dense):
+    # A vocabulary of 8 token texts (0: end of sequence) inside a model vocabulary of 12; the regex guide
+    # gives a bool per token of its 8, the choice guide ids: the step's mask must be the same either way.
+    texts = [None, "a", "b", "ab", "c", "ba", "x", None]
+    guide = (GuidedRegex(RegexAutomaton("[ab]+"), VocabularyTrie(texts), {0}).start() if dense
+             else GuidedChoice([(1,), (2,), (3,), (5,)], {0}))
+    for explicit, allowed in (([], {1, 2, 3, 5}), ([2, 4, 5, 11], {2, 5}), ([4, 6, 11], {1, 2, 3, 5})):
+        seq = Sequence("g", [7], SamplingParams(allowed_token_ids=explicit, guided_decoding={"regex": "[ab]+"}))
+        seq.guided = guide  # the engine's guide for that request, on this vocabulary
+        adjustments = LogitAdjustments.build([ScheduledSeq(seq, 1)], 12, torch.device("cpu"))
+        assert set(torch.nonzero(~adjustments.allowed.forbidden[0]).flatten().tolist()) == allowed, explicit
 
 
 def test_allowed_token_ids_choose_the_best_allowed_token(engine, hf_model, tokenizer):

@@ -1,0 +1,171 @@
+"""guided_decoding {"grammar": ...}: the tokens a grammar allows are exactly those a hand-written
+recogniser of its language allows (and, for regular grammars, those our regex guide allows), and the
+engine's constrained greedy output equals transformers' generate constrained by that recogniser."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpc_stream import StreamClient, make_inputs
+from tritonllm.guided_grammar import GrammarVocabulary, GuidedGrammar, compile_grammar
+from tritonllm.guided_regex import GuidedRegex, VocabularyTrie
+from tritonllm.regex_automaton import RegexAutomaton
+from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+
+# Lists of numbers nested to any depth: not a regular language, so no regular expression guide can follow it.
+NESTED_GBNF = """
+root  ::= list
+list  ::= "[" ( value ( ", " value )* )? "]"
+value ::= [0-9]+ | list
+"""
+NESTED_LARK = """
+start: list
+list: "[" (value (", " value)*)? "]"
+value: /[0-9]+/ | list
+"""
+PROMPT = "What is [[1, 2], [3, 4]] transposed?"
+
+
+def nested_list_state(text: str) -> str | None:
+    """The recogniser: None if no continuation of `text` is a nested list, "done" if `text` is one
+    (nothing can follow it), else the name of the place it stops at."""
+    state, depth = "start", 0
+    for ch in text:
+        if state == "done":
+            return None
+        if ch == "[" and state in ("start", "open", "comma_space"):
+            state, depth = "open", depth + 1
+        elif ch.isdigit() and ch.isascii() and state in ("open", "number", "comma_space"):
+            state = "number"
+        elif ch == "]" and state in ("open", "number", "close"):
+            depth -= 1
+            state = "done" if depth == 0 else "close"
+        elif ch == "," and state in ("number", "close"):
+            state = "comma"
+        elif ch == " " and state == "comma":
+            state = "comma_space"
+        else:
+            return None
+    return state
+
+
+@pytest.fixture(scope="module")
+def texts(tokenizer):
+    return VocabularyTrie.from_tokenizer(tokenizer).texts
+
+
+def _recogniser_allowed(texts, text: str, eos: int) -> list[int]:
+    if nested_list_state(text) == "done":
+        return [eos]
+    return [i for i, t in enumerate(texts) if t and nested_list_state(text + t) is not None]
+
+
+@pytest.mark.parametrize("grammar", [NESTED_GBNF, NESTED_LARK], ids=["gbnf", "lark"])
+def test_allowed_tokens_are_exactly_those_that_keep_a_sentence_possible(tokenizer, texts, grammar):
+    guide = GuidedGrammar(compile_grammar(grammar), GrammarVocabulary(tokenizer, {0}))
+    written = "[[1, 23], [], [[4]], 5]"
+    output = tokenizer.encode(written, add_special_tokens=False)
+    cursor = guide.start()
+    for length in range(len(output) + 1):
+        text = tokenizer.decode(output[:length])
+        assert cursor.allowed_tokens(output[:length]).tolist() == _recogniser_allowed(texts, text, 0), text
+        assert cursor.is_complete(output[:length]) == (text == written)
+    other = guide.start()  # a second parse of the same guide starts from the beginning
+    assert other.allowed_tokens([]).tolist() == _recogniser_allowed(texts, "", 0)
+
+
+@pytest.mark.parametrize("grammar, pattern, texts_after", [
+    ('root ::= [0-9]+ ("." [0-9]+)?', r"[0-9]+(\.[0-9]+)?", ["", "1", "12.", "12.5"]),
+    ('start: ("yes" | "no") "!"?', r"(yes|no)!?", ["", "no", "no!"]),
+    ('root ::= "(" [a-c]* ")" | "x" [^()]{0,3}', r"\([a-c]*\)|x[^()]{0,3}", ["", "(ab", "x", "xé"]),
+])
+def test_a_regular_grammar_allows_what_the_regex_guide_allows(tokenizer, grammar, pattern, texts_after):
+    # Two independent implementations of one language. The regex guide never takes a token that holds
+    # part of a character, nor a special token; neither can the grammar here (ASCII, and "é" is whole).
+    vocabulary = VocabularyTrie.from_tokenizer(tokenizer)
+    eos = {0, 2}  # every end of sequence id is allowed where the output is a sentence
+    regex_guide = GuidedRegex(RegexAutomaton(pattern), vocabulary, eos_token_ids=eos)
+    grammar_guide = GuidedGrammar(compile_grammar(grammar), GrammarVocabulary(tokenizer, eos))
+    partial = {i for i, t in enumerate(vocabulary.texts) if t is None}
+    for text in texts_after:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        from_grammar = [t for t in grammar_guide.start().allowed_tokens(ids).tolist() if t not in partial or t in eos]
+        assert from_grammar == regex_guide.allowed_after(text).tolist(), text
+
+
+def test_text_the_grammar_forces_is_written_as_the_tokenizer_writes_it(tokenizer):
+    # After "y" only "es" can follow: llguidance then allows the tokens the tokenizer would write
+    # "es" with, not every token that spells part of it (the regex guide also allows "e").
+    guide = GuidedGrammar(compile_grammar('start: ("yes" | "no") "!"?'), GrammarVocabulary(tokenizer, {0}))
+    vocabulary = VocabularyTrie.from_tokenizer(tokenizer)
+    after_y = guide.start().allowed_tokens(tokenizer.encode("y", add_special_tokens=False)).tolist()
+    assert after_y == tokenizer.encode("es", add_special_tokens=False)
+    regex_after_y = GuidedRegex(RegexAutomaton("(yes|no)!?"), vocabulary, {0}).allowed_after("y").tolist()
+    assert set(after_y) < set(regex_after_y) and tokenizer.encode("e", add_special_tokens=False)[0] in regex_after_y
+
+
+@pytest.mark.parametrize("grammar, message", [
+    ("root ::= missing", "Rule 'missing' not found"),
+    ("root ::= 'a'", "Expected name"),  # GBNF literals take double quotes
+    ('start: "a" (', "Expected token"),
+    ('start: "a" | other', "unknown name"),
+    ("   ", "non-empty string"),
+    (["root ::= \"a\""], "non-empty string"),
+])
+def test_a_grammar_that_cannot_be_followed_is_a_clear_error(grammar, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(guided_decoding={"grammar": grammar})
+
+
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def test_greedy_grammar_equals_transformers_with_the_same_constraint(engine, hf_model, tokenizer, texts):
+    import torch
+
+    ids = _chat_ids(tokenizer, PROMPT)
+    outs = engine.generate(prompt_token_ids=[ids, ids], params=[
+        SamplingParams(max_tokens=48, guided_decoding={"grammar": NESTED_GBNF}),
+        SamplingParams(max_tokens=48, guided_decoding={"grammar": NESTED_LARK})])
+    assert outs[0].token_ids == outs[1].token_ids  # one language, two notations
+    out = outs[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), list), out.text
+    assert nested_list_state(out.text) == "done"
+    eos = tokenizer.eos_token_id
+
+    def allowed(_batch: int, input_ids) -> list[int]:
+        return _recogniser_allowed(texts, tokenizer.decode(input_ids[len(ids):]), eos)
+
+    ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=eos,
+                            pad_token_id=eos, prefix_allowed_tokens_fn=allowed)
+    ref_ids = ref[0, len(ids):].tolist()
+    assert out.token_ids == [t for t in ref_ids if t != eos]
+
+
+def test_sampled_completions_are_all_sentences_or_prefixes_of_one(engine):
+    params = SamplingParams(n=4, max_tokens=32, temperature=1.0, seed=3, guided_decoding={"grammar": NESTED_GBNF})
+    outs = engine.generate([PROMPT], params, apply_chat_template=True)
+    for o in outs:
+        state = nested_list_state(o.text)
+        assert state == "done" if o.finish_reason == "stop" else state is not None, (o.text, o.finish_reason)
+    assert len({o.text for o in outs}) > 1
+
+
+@pytest.mark.server
+def test_guided_grammar_through_tritonserver(triton_server, engine):
+    sampling = {"max_tokens": 48, "guided_decoding": {"grammar": NESTED_LARK}}
+    client = StreamClient(triton_server.grpc_url)
+    try:
+        client.send("g", make_inputs(PROMPT, chat=True, exclude_input=True, sampling=sampling))
+        got = client.wait(["g"])
+        client.send("bad", make_inputs(PROMPT, sampling={"guided_decoding": {"grammar": "root ::= missing"}}))
+        got.update(client.wait(["bad"]))
+    finally:
+        client.close()
+    [offline] = engine.generate([PROMPT], SamplingParams(**sampling), apply_chat_template=True)
+    assert got["g"].error is None and got["g"].text == offline.text and nested_list_state(offline.text) == "done"
+    assert got["bad"].error is not None and "Rule 'missing' not found" in got["bad"].error
