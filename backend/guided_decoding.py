@@ -5,7 +5,8 @@ Exactly one of:
 - `{"choice": [strings]}`: the output is one of the strings (guided_choice.py);
 - `{"regex": pattern}`: the output matches the pattern as a whole (guided_regex.py);
 - `{"json": schema}` (an object or JSON text): the output is JSON that the schema accepts, through
-  the schema's regular expression (json_schema_regex.py);
+  the schema's regular expression (json_schema_regex.py), or, for a schema that nests through a
+  recursive `$ref`, through llguidance's JSON grammar (guided_grammar.py);
 - `{"json_object": true}`: the output is a JSON object;
 - `{"grammar": text}`: the output is a sentence of a context-free grammar, GBNF or Lark (guided_grammar.py).
 
@@ -23,9 +24,9 @@ from functools import lru_cache
 
 from .errors import InvalidRequestError
 from .guided_choice import GuidedChoice
-from .guided_grammar import GrammarVocabulary, GuidedGrammar, compile_grammar
+from .guided_grammar import GrammarVocabulary, GuidedGrammar, compile_grammar, compile_json_schema_grammar
 from .guided_regex import GuidedRegex, VocabularyTrie
-from .json_schema_regex import DEFAULT_WHITESPACE, any_object_regex, json_schema_regex
+from .json_schema_regex import DEFAULT_WHITESPACE, RecursiveSchemaError, any_object_regex, json_schema_regex
 from .regex_automaton import RegexAutomaton
 
 GUIDE_KINDS = ("choice", "regex", "json", "json_object", "grammar")
@@ -69,22 +70,29 @@ def parse_guided_decoding(guided) -> dict | None:
     if not isinstance(given.get("whitespace_pattern", ""), str):
         raise InvalidRequestError("guided_decoding whitespace_pattern must be a string (a regular expression)")
     # Refuse what cannot be followed now, rather than mid-batch.
-    if kind == "grammar":
-        compile_grammar(given["grammar"])
-    elif kind != "choice":
-        compiled_automaton(guide_pattern(given))
+    if kind != "choice":
+        language, text = guide_language(given)
+        if language == "regex":
+            compiled_automaton(text)
     return given
 
 
-def guide_pattern(guided: dict) -> str | None:
-    """The regular expression a checked guided_decoding asks the output to match (None: a choice or a grammar)."""
-    whitespace = guided.get("whitespace_pattern") or DEFAULT_WHITESPACE
+def guide_language(guided: dict) -> tuple[str, str] | None:
+    """What a guided_decoding other than a choice asks the output to be: ("regex", the regular
+    expression it must match) or ("grammar", llguidance's grammar it must be a sentence of).
+    InvalidRequestError if the pattern, schema or grammar cannot be followed."""
+    whitespace = guided.get("whitespace_pattern")
     if "regex" in guided:
-        return guided["regex"]
+        return "regex", guided["regex"]
     if "json" in guided:
-        return json_schema_regex(guided["json"], whitespace)
+        try:
+            return "regex", json_schema_regex(guided["json"], whitespace or DEFAULT_WHITESPACE)
+        except RecursiveSchemaError:
+            return "grammar", compile_json_schema_grammar(json.dumps(guided["json"]), whitespace)
     if "json_object" in guided:
-        return any_object_regex(whitespace)
+        return "regex", any_object_regex(whitespace or DEFAULT_WHITESPACE)
+    if "grammar" in guided:
+        return "grammar", compile_grammar(guided["grammar"])
     return None
 
 
@@ -112,12 +120,12 @@ class Guides:
     def for_request(self, guided: dict | None) -> GuidedChoice | GuidedRegex | GuidedGrammar | None:
         if not guided:
             return None
-        if "grammar" in guided:
-            return self._grammar_guide(guided["grammar"])
-        pattern = guide_pattern(guided)
-        if pattern is None:
+        if "choice" in guided:
             return GuidedChoice([tuple(self.tokenizer.encode(c, add_special_tokens=False)) for c in guided["choice"]],
                                 self.eos_token_ids)
+        kind, pattern = guide_language(guided)
+        if kind == "grammar":
+            return self._grammar_guide(pattern)
         with self._lock:
             guide = self._by_pattern.get(pattern)
             if guide is None:
@@ -130,15 +138,14 @@ class Guides:
             self._by_pattern.move_to_end(pattern)
         return guide
 
-    def _grammar_guide(self, text: str) -> GuidedGrammar:
-        grammar = compile_grammar(text)
+    def _grammar_guide(self, grammar: str) -> GuidedGrammar:
         with self._lock:
-            guide = self._by_grammar.get(text)
+            guide = self._by_grammar.get(grammar)
             if guide is None:
                 if self._grammar_vocabulary is None:
                     self._grammar_vocabulary = GrammarVocabulary(self.tokenizer, self.eos_token_ids)
-                guide = self._by_grammar[text] = GuidedGrammar(grammar, self._grammar_vocabulary)
+                guide = self._by_grammar[grammar] = GuidedGrammar(grammar, self._grammar_vocabulary)
                 while len(self._by_grammar) > self.capacity:
                     self._by_grammar.popitem(last=False)
-            self._by_grammar.move_to_end(text)
+            self._by_grammar.move_to_end(grammar)
         return guide

@@ -9,6 +9,9 @@ grammar, byte-level tokens included. Where the grammar leaves only one way on (t
 literal, say), llguidance allows just the tokens the tokenizer itself would write that text with,
 not every token that spells a piece of it: the model reads the text as it was trained to.
 
+A JSON schema that nests through a recursive `$ref` (a tree, say), which no regular expression can
+follow, takes this guide too, through llguidance's JSON schema compiler.
+
 A grammar is compiled once per text (when the request is checked) and shared by every request and
 completion that sends it; each sequence keeps its own matcher (`GrammarCursor`), which consumes only
 the tokens added since the last step.
@@ -43,6 +46,24 @@ def compile_grammar(text: str) -> str:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise InvalidRequestError(f"guided_decoding grammar: {_one_paragraph(error)}")
+    return grammar
+
+
+@lru_cache(maxsize=64)
+def compile_json_schema_grammar(schema_text: str, whitespace_pattern: str | None = None) -> str:
+    """llguidance's grammar for JSON that a schema (JSON text) accepts: for the schemas a regular
+    expression cannot express (recursive ones), which it writes with one space after `:` and `,`, or
+    with `whitespace_pattern` between its tokens when given."""
+    llguidance = _llguidance()
+    options = ({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "} if whitespace_pattern is None
+               else {"whitespace_pattern": whitespace_pattern, "item_separator": ",", "key_separator": ":"})
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_text, overrides=options)
+    except ValueError as exc:
+        raise InvalidRequestError(f"guided json: {_one_paragraph(exc)}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidRequestError(f"guided json: {_one_paragraph(error)}")
     return grammar
 
 

@@ -46,6 +46,11 @@ _IGNORED = {"title", "description", "$schema", "$id", "$defs", "definitions", "e
             "readOnly", "writeOnly", "deprecated", "format", "additionalProperties", "uniqueItems"}
 
 
+class RecursiveSchemaError(InvalidRequestError):
+    """The schema nests through a recursive $ref: no regular expression matches it (guided_decoding.py
+    hands such a schema to the grammar guide instead)."""
+
+
 def json_schema_regex(schema, whitespace: str = DEFAULT_WHITESPACE) -> str:
     """The regular expression for JSON that `schema` (a dict, True, or JSON text) accepts."""
     if isinstance(schema, str):
@@ -168,8 +173,8 @@ class _SchemaWriter:
 
     def _resolve(self, ref, depth: int):
         if depth >= _MAX_REF_DEPTH:
-            raise InvalidRequestError("guided json: recursive $ref is not supported (a regular expression "
-                                      "cannot nest without bound)")
+            raise RecursiveSchemaError("guided json: a recursive $ref cannot be a regular expression "
+                                       "(it nests without bound)")
         if not isinstance(ref, str) or not ref.startswith("#"):
             raise InvalidRequestError(f"guided json: only $ref into the same schema (#/...) is supported, got {ref!r}")
         node = self.root

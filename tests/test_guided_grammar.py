@@ -1,6 +1,7 @@
 """guided_decoding {"grammar": ...}: the tokens a grammar allows are exactly those a hand-written
 recogniser of its language allows (and, for regular grammars, those our regex guide allows), and the
-engine's constrained greedy output equals transformers' generate constrained by that recogniser."""
+engine's constrained greedy output equals transformers' generate constrained by that recogniser.
+A recursive JSON schema takes the same guide."""
 
 from __future__ import annotations
 
@@ -153,6 +154,34 @@ def test_sampled_completions_are_all_sentences_or_prefixes_of_one(engine):
         state = nested_list_state(o.text)
         assert state == "done" if o.finish_reason == "stop" else state is not None, (o.text, o.finish_reason)
     assert len({o.text for o in outs}) > 1
+
+
+TREE = {"$defs": {"node": {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 3}},
+    "required": ["name", "children"], "additionalProperties": False}}, "$ref": "#/$defs/node"}
+
+
+def _is_tree(value) -> bool:
+    return (isinstance(value, dict) and list(value) == ["name", "children"] and isinstance(value["name"], str)
+            and len(value["name"]) <= 12 and isinstance(value["children"], list) and len(value["children"]) <= 3
+            and all(_is_tree(child) for child in value["children"]))
+
+
+def test_a_recursive_json_schema_is_followed_through_the_grammar_guide(engine):
+    # No regular expression nests without bound, so the regex guide refuses this schema; llguidance's
+    # JSON grammar follows it.
+    copy = '{"name": "root", "children": [{"name": "left", "children": []}, {"name": "right", "children": [{"name": "leaf", "children": []}]}]}'
+    prompts = [f"Repeat this JSON exactly: {copy}", "A tree with one root and no children, as JSON."]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=96, guided_decoding={"json": TREE}),
+                           apply_chat_template=True)
+    assert outs[0].text == copy
+    for out in outs:
+        assert out.finish_reason == "stop" and _is_tree(json.loads(out.text)), out.text
+    broken = json.loads(json.dumps(TREE))
+    broken["$defs"]["node"]["properties"]["name"]["pattern"] = "[a-"
+    with pytest.raises(InvalidRequestError, match="unclosed character class"):  # llguidance's check, on arrival
+        SamplingParams(guided_decoding={"json": broken})
 
 
 @pytest.mark.server
