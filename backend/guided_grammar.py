@@ -30,7 +30,7 @@ def _llguidance():
     try:
         import llguidance
     except ImportError:  # a dependency of the package; say so rather than fail obscurely mid-request
-        raise InvalidRequestError("guided_decoding grammar needs the llguidance package, which this server "
+        raise InvalidRequestError("this guided_decoding needs the llguidance package, which this server "
                                   "lacks (pip install llguidance)") from None
     return llguidance
 

@@ -60,8 +60,9 @@ class AllowedTokens:
             return None
         forbidden = np.ones((len(parts), vocab), dtype=bool)
         for i, (_, allowed) in enumerate(parts):
-            if allowed.dtype == np.bool_:
-                np.logical_not(allowed, out=forbidden[i, :len(allowed)])
+            if allowed.dtype == np.bool_:  # (a tokenizer may list more tokens than the model has rows)
+                n = min(len(allowed), vocab)
+                np.logical_not(allowed[:n], out=forbidden[i, :n])
             else:
                 forbidden[i, allowed] = False
         rows = np.fromiter((row for row, _ in parts), dtype=np.int64, count=len(parts))

@@ -132,17 +132,19 @@ def test_bad_words_are_never_generated(engine, tokenizer):
         assert not any(tuple(out.token_ids[i:i + len(w)]) == w for i in range(len(out.token_ids))), w
 
 
+@pytest.mark.parametrize("model_vocab", [12, 6])
 @pytest.mark.parametrize("dense", [True, False], ids=["guide-mask", "guide-ids"])
-def test_a_guides_tokens_meet_allowed_token_ids_and_win_when_they_share_none(dense):
-    # A vocabulary of 8 token texts (0: end of sequence) inside a model vocabulary of 12; the regex guide
-    # gives a bool per token of its 8, the choice guide ids: the step's mask must be the same either way.
+def test_a_guides_tokens_meet_allowed_token_ids_and_win_when_they_share_none(dense, model_vocab):
+    # A tokenizer of 8 token texts (0: end of sequence) beside a model vocabulary of 12, or of 6 (a
+    # tokenizer can list tokens the model has no row for); the regex guide gives a bool per token of
+    # its 8, the choice guide ids: the step's mask must be the same either way.
     texts = [None, "a", "b", "ab", "c", "ba", "x", None]
     guide = (GuidedRegex(RegexAutomaton("[ab]+"), VocabularyTrie(texts), {0}).start() if dense
              else GuidedChoice([(1,), (2,), (3,), (5,)], {0}))
     for explicit, allowed in (([], {1, 2, 3, 5}), ([2, 4, 5, 11], {2, 5}), ([4, 6, 11], {1, 2, 3, 5})):
         seq = Sequence("g", [7], SamplingParams(allowed_token_ids=explicit, guided_decoding={"regex": "[ab]+"}))
         seq.guided = guide  # the engine's guide for that request, on this vocabulary
-        adjustments = LogitAdjustments.build([ScheduledSeq(seq, 1)], 12, torch.device("cpu"))
+        adjustments = LogitAdjustments.build([ScheduledSeq(seq, 1)], model_vocab, torch.device("cpu"))
         assert set(torch.nonzero(~adjustments.allowed.forbidden[0]).flatten().tolist()) == allowed, explicit
 
 
