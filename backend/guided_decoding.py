@@ -8,11 +8,13 @@ Exactly one of:
   the schema's regular expression (json_schema_regex.py), or, for a schema that nests through a
   recursive `$ref`, through llguidance's JSON grammar (guided_grammar.py);
 - `{"json_object": true}`: the output is a JSON object;
-- `{"grammar": text}`: the output is a sentence of a context-free grammar, GBNF or Lark (guided_grammar.py).
+- `{"grammar": text}`: the output is a sentence of a context-free grammar, GBNF or Lark (guided_grammar.py);
+- `{"structural_tag": {"structures": [...], "triggers": [...]}}` (or its JSON text): free text in which
+  each trigger opens a segment of JSON for a schema (guided_structural_tag.py).
 
 `whitespace_pattern` replaces the JSON guides' whitespace after `:` and `,` (one optional space by
-default); `backend` and vLLM's other switches are accepted and change nothing here. `structural_tag`
-is refused with a clear error, as is a pattern, schema or grammar this server cannot follow.
+default); `backend` and vLLM's other switches are accepted and change nothing here. A pattern, schema,
+grammar or tag this server cannot follow is refused with a clear error when the request arrives.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from .errors import InvalidRequestError
 from .guided_choice import GuidedChoice
 from .guided_grammar import GrammarVocabulary, GuidedGrammar, compile_grammar, compile_json_schema_grammar
 from .guided_regex import GuidedRegex, VocabularyTrie
+from .guided_structural_tag import parse_structural_tag, structural_tag_grammar, structural_tag_text
 from .json_schema_regex import DEFAULT_WHITESPACE, RecursiveSchemaError, any_object_regex, json_schema_regex
 from .regex_automaton import RegexAutomaton
 
-GUIDE_KINDS = ("choice", "regex", "json", "json_object", "grammar")
+GUIDE_KINDS = ("choice", "regex", "json", "json_object", "grammar", "structural_tag")
 # Accepted for vLLM clients; none changes what a guide allows here.
 _SWITCHES = ("backend", "whitespace_pattern", "disable_fallback", "disable_any_whitespace",
              "disable_additional_properties")
@@ -67,6 +70,8 @@ def parse_guided_decoding(guided) -> dict | None:
             given["json"] = json.loads(given["json"])
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"guided_decoding json schema is not valid JSON: {exc}") from None
+    elif kind == "structural_tag":
+        given["structural_tag"] = parse_structural_tag(given["structural_tag"])
     if not isinstance(given.get("whitespace_pattern", ""), str):
         raise InvalidRequestError("guided_decoding whitespace_pattern must be a string (a regular expression)")
     # Refuse what cannot be followed now, rather than mid-batch.
@@ -77,10 +82,11 @@ def parse_guided_decoding(guided) -> dict | None:
     return given
 
 
-def guide_language(guided: dict) -> tuple[str, str] | None:
+def guide_language(guided: dict, special_tokens: frozenset[str] = frozenset()) -> tuple[str, str] | None:
     """What a guided_decoding other than a choice asks the output to be: ("regex", the regular
     expression it must match) or ("grammar", llguidance's grammar it must be a sentence of).
-    InvalidRequestError if the pattern, schema or grammar cannot be followed."""
+    `special_tokens`: the special tokens' texts of the tokenizer the guide is for (a structural tag's
+    trigger among them is matched as that token). InvalidRequestError if the guide cannot be followed."""
     whitespace = guided.get("whitespace_pattern")
     if "regex" in guided:
         return "regex", guided["regex"]
@@ -93,6 +99,10 @@ def guide_language(guided: dict) -> tuple[str, str] | None:
         return "regex", any_object_regex(whitespace or DEFAULT_WHITESPACE)
     if "grammar" in guided:
         return "grammar", compile_grammar(guided["grammar"])
+    if "structural_tag" in guided:
+        tag = guided["structural_tag"]
+        special = frozenset(t for t in tag["triggers"] if t in special_tokens)
+        return "grammar", structural_tag_grammar(structural_tag_text(tag), guided.get("whitespace_pattern"), special)
     return None
 
 
@@ -116,6 +126,8 @@ class Guides:
         self._by_pattern: OrderedDict[str, GuidedRegex] = OrderedDict()
         self._by_grammar: OrderedDict[str, GuidedGrammar] = OrderedDict()
         self._lock = threading.Lock()  # requests arrive on Triton's threads
+        self.special_tokens = frozenset(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                                        if t.special)
 
     def for_request(self, guided: dict | None) -> GuidedChoice | GuidedRegex | GuidedGrammar | None:
         if not guided:
@@ -123,7 +135,7 @@ class Guides:
         if "choice" in guided:
             return GuidedChoice([tuple(self.tokenizer.encode(c, add_special_tokens=False)) for c in guided["choice"]],
                                 self.eos_token_ids)
-        kind, pattern = guide_language(guided)
+        kind, pattern = guide_language(guided, self.special_tokens)
         if kind == "grammar":
             return self._grammar_guide(pattern)
         with self._lock:

@@ -26,7 +26,7 @@ import numpy as np
 from .errors import InvalidRequestError
 
 
-def _llguidance():
+def llguidance_module():
     try:
         import llguidance
     except ImportError:  # a dependency of the package; say so rather than fail obscurely mid-request
@@ -38,14 +38,14 @@ def _llguidance():
 @lru_cache(maxsize=64)
 def compile_grammar(text: str) -> str:
     """llguidance's grammar for `text` (GBNF or Lark), or InvalidRequestError saying what is wrong with it."""
-    llguidance = _llguidance()
+    llguidance = llguidance_module()
     try:
         grammar = llguidance.grammar_from("grammar", text)
     except (ValueError, RuntimeError) as exc:  # GBNF that does not convert
-        raise InvalidRequestError(f"guided_decoding grammar: {_one_paragraph(exc)}") from None
+        raise InvalidRequestError(f"guided_decoding grammar: {one_paragraph(exc)}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise InvalidRequestError(f"guided_decoding grammar: {_one_paragraph(error)}")
+        raise InvalidRequestError(f"guided_decoding grammar: {one_paragraph(error)}")
     return grammar
 
 
@@ -54,20 +54,26 @@ def compile_json_schema_grammar(schema_text: str, whitespace_pattern: str | None
     """llguidance's grammar for JSON that a schema (JSON text) accepts: for the schemas a regular
     expression cannot express (recursive ones), which it writes with one space after `:` and `,`, or
     with `whitespace_pattern` between its tokens when given."""
-    llguidance = _llguidance()
-    options = ({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "} if whitespace_pattern is None
-               else {"whitespace_pattern": whitespace_pattern, "item_separator": ",", "key_separator": ":"})
+    llguidance = llguidance_module()
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_text, overrides=options)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_text, overrides=json_compile_options(whitespace_pattern))
     except ValueError as exc:
-        raise InvalidRequestError(f"guided json: {_one_paragraph(exc)}") from None
+        raise InvalidRequestError(f"guided json: {one_paragraph(exc)}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise InvalidRequestError(f"guided json: {_one_paragraph(error)}")
+        raise InvalidRequestError(f"guided json: {one_paragraph(error)}")
     return grammar
 
 
-def _one_paragraph(message) -> str:
+def json_compile_options(whitespace_pattern: str | None) -> dict:
+    """llguidance's JSON options for how our JSON guides write JSON: one space after `:` and `,`, or
+    `whitespace_pattern` between tokens when the request gives one."""
+    if whitespace_pattern is None:
+        return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return {"whitespace_pattern": whitespace_pattern, "item_separator": ",", "key_separator": ":"}
+
+
+def one_paragraph(message) -> str:
     return " ".join(str(message).split())
 
 
@@ -75,7 +81,7 @@ class GrammarVocabulary:
     """The engine's tokenizer as llguidance sees it (built once, ~0.3 s for a 49k vocabulary)."""
 
     def __init__(self, tokenizer, eos_token_ids: set[int]):
-        llguidance = _llguidance()
+        llguidance = llguidance_module()
         import llguidance.hf
 
         try:

@@ -71,11 +71,11 @@ def test_guided_choice_through_tritonserver(triton_server):
         sampling = {"n": 3, "max_tokens": 16, "temperature": 1.0, "seed": 9, "guided_decoding": {"choice": CHOICES}}
         client.send("g", make_inputs(PROMPT, stream=False, chat=True, exclude_input=True, sampling=sampling))
         got = client.wait(["g"])
-        client.send("bad", make_inputs(PROMPT, sampling={"guided_decoding": {"structural_tag": "{}"}}))
+        client.send("bad", make_inputs(PROMPT, sampling={"guided_decoding": {"ebnf": "root ::= x"}}))
         got.update(client.wait(["bad"]))
     finally:
         client.close()
     assert got["g"].error is None
     [arrays] = got["g"].arrays
     assert all(t.decode() in CHOICES for t in arrays["text_output"]) and len(arrays["text_output"]) == 3
-    assert got["bad"].error is not None and "structural_tag" in got["bad"].error
+    assert got["bad"].error is not None and "['ebnf'] is not supported" in got["bad"].error

@@ -77,7 +77,7 @@ def test_whitespace_pattern_replaces_the_default():
     ({"json": {"allOf": [{"type": "string"}, {"minLength": 1}]}}, "allOf"),
     ({"json": {"type": "tuple"}}, "unknown type"),
     ({"json": "{not json"}, "not valid JSON"),
-    ({"structural_tag": '{"structures": []}'}, "structural_tag"),
+    ({"ebnf": "root ::= x"}, r"\['ebnf'\] is not supported"),
     ({"regex": "a", "choice": ["a"]}, "exactly one"),
     ({"backend": "xgrammar"}, "exactly one"),
     ({"choice": []}, "non-empty list"),
