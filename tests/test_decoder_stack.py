@@ -97,6 +97,37 @@ def test_a_mixed_step_takes_the_stack_with_the_modules_results(model_dir):
         assert ids_on == ids_off and torch.equal(bits(lp_on), bits(lp_off))
 
 
+@avx512
+def test_qwen3_head_norms_run_in_the_stack_with_the_modules_results(tokenizer, tmp_path):
+    """Qwen3 norms each query and key head before the rotary; the stack does too, bit for bit (a
+    prompt step, then decodes of three rows), and its outputs are transformers' greedy ones."""
+    import transformers
+
+    from tiny_models import tiny_config_args, write_tiny_model
+    from tritonllm.sampling_params import SamplingParams
+
+    config = transformers.Qwen3Config(**{**tiny_config_args(tokenizer), "num_hidden_layers": 3}, head_dim=32)
+    reference = write_tiny_model(config, tokenizer, tmp_path)
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in ("def fibonacci(n):", "Once upon a time", "1, 2, 3")]
+    params = SamplingParams(max_tokens=10, logprobs=True, ignore_eos=True)
+    results = {}
+    for on in (True, False):
+        eng = engine(tmp_path)
+        model = eng.runner.model
+        assert model.decoder_stack is not None and len(model.decoder_stack.head_norms) == 2 * 3
+        counter = CountingStack(model.decoder_stack) if on else None
+        model.decoder_stack = counter
+        outs = eng.generate(prompt_token_ids=prompts, params=params)
+        results[on] = ([o.token_ids for o in outs], torch.tensor([o.logprobs for o in outs]))
+        if on:
+            assert 3 in counter.calls and any(rows > 3 for rows in counter.calls)
+    assert results[True][0] == results[False][0]
+    assert torch.equal(bits(results[True][1]), bits(results[False][1]))
+    for ids, out in zip(prompts, results[True][0]):
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        assert out == expected[0, len(ids):].tolist()
+
+
 def test_no_stack_without_the_avx512_gemm(model_dir):
     eng = engine(model_dir, cpu_gemm="aten")
     assert eng.runner.model.decoder_stack is None

@@ -9,18 +9,13 @@ import pytest
 import torch
 import transformers
 
+from tiny_models import tiny_config_args, write_tiny_model
 from tritonllm.config import EngineConfig
 from tritonllm.engine import Engine
 from tritonllm.sampling_params import InvalidRequestError, SamplingParams
 
 PROMPTS = ["The capital of France is a city that", "def fibonacci(n):", "Once upon a time, in a land far away, there"]
 MAX_TOKENS = 24
-
-
-def _common(tokenizer) -> dict:
-    return dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
 
 
 FAMILIES = {
@@ -70,17 +65,6 @@ FAMILIES = {
 }
 
 
-def _write_model(config, tokenizer, folder):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():  # weights large enough that the tiny model's choices are far from ties
-        for p in model.parameters():
-            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return model
-
-
 def _reference(model, ids: list[int], max_tokens: int) -> list[int]:
     out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
     return out[0, len(ids):].tolist()
@@ -89,7 +73,7 @@ def _reference(model, ids: list[int], max_tokens: int) -> list[int]:
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
 def test_greedy_outputs_equal_transformers(family, cpu_kernels, tokenizer, tmp_path):
-    model = _write_model(FAMILIES[family](_common(tokenizer)), tokenizer, tmp_path)
+    model = write_tiny_model(FAMILIES[family](tiny_config_args(tokenizer)), tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  cpu_kernels=cpu_kernels))
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
@@ -102,7 +86,7 @@ def test_greedy_outputs_equal_transformers(family, cpu_kernels, tokenizer, tmp_p
 def test_output_logprobs_equal_transformers(family, tokenizer, tmp_path):
     # What greedy ids cannot show: a scale of the logits (Granite's logits_scaling), an activation a
     # little off (GELU's tanh form against erf).
-    model = _write_model(FAMILIES[family](_common(tokenizer)), tokenizer, tmp_path)
+    model = write_tiny_model(FAMILIES[family](tiny_config_args(tokenizer)), tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
     ids = tokenizer.encode(PROMPTS[2], add_special_tokens=False)
     [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=8, ignore_eos=True))
@@ -132,7 +116,7 @@ SLIDING = {
 @pytest.mark.parametrize("family", SLIDING)
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
 def test_sliding_window_layers_equal_transformers_past_the_window(family, cpu_kernels, tokenizer, tmp_path):
-    model = _write_model(SLIDING[family](_common(tokenizer)), tokenizer, tmp_path)
+    model = write_tiny_model(SLIDING[family](tiny_config_args(tokenizer)), tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  max_num_batched_tokens=64, cpu_kernels=cpu_kernels))
     assert engine.max_model_len == 256
@@ -160,7 +144,7 @@ def _peak_used_blocks(engine, prompt_ids: list[int], max_tokens: int):
 def test_blocks_behind_a_window_every_layer_slides_are_freed_exactly(cpu_kernels, tokenizer, tmp_path):
     # Mistral's every layer attends to its last 32 positions: a 120-token output holds ~3 blocks of 16,
     # not 9, and stays transformers' own; a second request for the same prompt reuses its cached blocks.
-    model = _write_model(SLIDING["mistral"](_common(tokenizer)), tokenizer, tmp_path)
+    model = write_tiny_model(SLIDING["mistral"](tiny_config_args(tokenizer)), tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  cpu_kernels=cpu_kernels, warmup=False))
     assert engine.runner.model.kv_release_window == 32 and engine.config.block_size == 16
@@ -176,7 +160,7 @@ def test_blocks_behind_a_window_every_layer_slides_are_freed_exactly(cpu_kernels
 
 def test_blocks_stay_where_some_layer_attends_to_the_whole_sequence(tokenizer, tmp_path):
     # Gemma 2's full-attention layers read every position: nothing behind the window is freed.
-    _write_model(SLIDING["gemma2"](_common(tokenizer)), tokenizer, tmp_path)
+    write_tiny_model(SLIDING["gemma2"](tiny_config_args(tokenizer)), tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  warmup=False))
     assert engine.runner.model.attention_window == 32 and engine.runner.model.kv_release_window is None
@@ -189,11 +173,11 @@ def test_longrope_caps_max_model_len_where_its_frequencies_change(partial, token
     # longrope: the short frequencies up to the original context, the long ones past it; Phi-4-mini's
     # over the 12 of 16 dimensions that turn.
     pairs = int(16 * partial) // 2
-    config = transformers.Phi3Config(**_common(tokenizer), sliding_window=None, original_max_position_embeddings=32,
+    config = transformers.Phi3Config(**tiny_config_args(tokenizer), sliding_window=None, original_max_position_embeddings=32,
                                      rope_scaling={"rope_type": "longrope", "partial_rotary_factor": partial,
                                                    "short_factor": [1.0 + i / 8 for i in range(pairs)],
                                                    "long_factor": [4.0 + i for i in range(pairs)]})
-    model = _write_model(config, tokenizer, tmp_path)
+    model = write_tiny_model(config, tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
     assert engine.max_model_len == 32
     ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
@@ -215,7 +199,7 @@ def test_longrope_caps_max_model_len_where_its_frequencies_change(partial, token
     (lambda c: transformers.LlamaConfig(**c, mlp_bias=True), r"6 checkpoint weights are not used .*mlp\.down_proj\.bias"),
 ])
 def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, tokenizer, tmp_path):
-    _write_model(config(_common(tokenizer)), tokenizer, tmp_path)
+    write_tiny_model(config(tiny_config_args(tokenizer)), tokenizer, tmp_path)
     with pytest.raises(ValueError, match=message):
         Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256))
 
@@ -226,7 +210,7 @@ def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokeniz
     # Each rank reads its own query/key/value heads and MLP columns: from the fused Phi-3 tensors by
     # offset, Qwen3's head norms whole, and Granite's residual multiplier folded into each rank's rows.
     config = SLIDING["mistral"] if family == "mistral-sliding" else FAMILIES[family]  # the workers' masks too
-    model = _write_model(config(_common(tokenizer)), tokenizer, tmp_path)
+    model = write_tiny_model(config(tiny_config_args(tokenizer)), tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  tensor_parallel_size=2))
     try:

@@ -54,7 +54,8 @@ const Ops& ops() {
 // hidden [tokens, hidden_size]: the embeddings, which become the residual stream (updated in place).
 // Per layer l: norms[2l], norms[2l + 1] (input and post-attention RMSNorm weights); weights[4l + i]
 // with scales[4l + i] (i: QKV, O, gate/up, down): a packed_gemm weight where the scale is None, else
-// block_gemm codes; biases likewise (None: no bias). Attention: the paged_decode_attention calls
+// block_gemm codes; biases likewise (None: no bias). head_norms: empty, or per layer the query and key
+// heads' RMSNorm weights (Qwen3), applied to the fused projection's heads in place. Attention: the paged_decode_attention calls
 // covering rows [call_starts[c], call_ends[c]). Returns the final residual stream (before the final
 // norm), as LlamaForCausalLM.forward does.
 at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::TensorList weights,
@@ -62,8 +63,8 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
                          const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, at::IntArrayRef call_starts, at::IntArrayRef call_ends,
-                         at::TensorList call_tables, at::TensorList call_masks, double scale, double eps,
-                         int64_t num_heads, int64_t num_kv_heads) {
+                         at::TensorList call_tables, at::TensorList call_masks, at::TensorList head_norms,
+                         double scale, double eps, int64_t num_heads, int64_t num_kv_heads) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   const int64_t linears = kLinearsPerLayer * layers;
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -71,6 +72,8 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
                   static_cast<int64_t>(scales.size()) == linears && static_cast<int64_t>(biases.size()) == linears &&
                   static_cast<int64_t>(out_features.size()) == linears,
               "decoder_stack: per layer 2 norms, 4 weights (with scales, biases, out_features) and one K and V cache");
+  TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
+              "decoder_stack: no head norms, or a query and a key head norm per layer");
   const size_t calls = call_starts.size();
   TORCH_CHECK(calls > 0 && call_ends.size() == calls && call_tables.size() == calls && call_masks.size() == calls,
               "decoder_stack: per attention call a first row, an end row, block tables and a mask");
@@ -100,6 +103,11 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
     at::Tensor x = l == 0 ? at::rms_norm(residual, {residual.size(1)}, norms[0], eps)
                           : o.add_rms_norm.call(residual, hidden, norms[2 * l], eps);
     at::Tensor qkv = linear(x, i).view({tokens, num_heads + 2 * num_kv_heads, head_dim});
+    if (!head_norms.empty()) {  // as LlamaAttention: each head normed, written back before the rotary
+      at::Tensor q_heads = qkv.narrow(1, 0, num_heads), k_heads = qkv.narrow(1, num_heads, num_kv_heads);
+      q_heads.copy_(at::rms_norm(q_heads, {head_dim}, head_norms[2 * l], eps));
+      k_heads.copy_(at::rms_norm(k_heads, {head_dim}, head_norms[2 * l + 1], eps));
+    }
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     at::Tensor q = o.rope_write_kv.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
     at::Tensor attn = attention(q, k_cache, v_cache);
@@ -115,7 +123,7 @@ TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
   m.def("decoder_stack(Tensor(c!) hidden, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
         "int[] out_features, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
         "Tensor slot_mapping, int[] call_starts, int[] call_ends, Tensor[] call_tables, Tensor[] call_masks, "
-        "float scale, float eps, int num_heads, int num_kv_heads) -> Tensor(c!)");
+        "Tensor[] head_norms, float scale, float eps, int num_heads, int num_kv_heads) -> Tensor(c!)");
 }
 
 TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("decoder_stack", &decoder_stack); }

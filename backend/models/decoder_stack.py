@@ -10,7 +10,7 @@ results are bit for bit those of the modules; it needs:
 - one rank (tensor parallelism all-reduces between the ops);
 - attention through our paged kernel (`layers.attention.kernel_calls`);
 - no sliding-window masks in the step (a window shorter than max_model_len);
-- no query and key norms (Qwen3's per head, OLMo's per projection), SiLU as the MLP's activation
+- query and key norms only per head (Qwen3's, not OLMo's over the projections), SiLU as the MLP's activation
   (not Gemma's GELU), and Llama's layer (not Gemma 2's capped scores and normed outputs, nor OLMo's
   norms after the attention and MLP instead of before), and a dense MLP in every layer (no experts).
 """
@@ -30,6 +30,8 @@ class DecoderStack:
 
     def __init__(self, layers, eps: float, num_heads: int, num_kv_heads: int, scale: float):
         self.norms = [w for layer in layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        self.head_norms = [w for layer in layers if layer.self_attn.q_norm is not None
+                           for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
         linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         packed: list[PackedWeight] = [lin.packed for lin in linears]
@@ -57,8 +59,6 @@ class DecoderStack:
                 if lin.packed is None or lin.packed.kernel != "avx512":
                     return None
         first = layers[0]
-        if first.self_attn.q_norm is not None:  # the C++ layer has no per-head norms (Qwen3): the modules run
-            return None
         if first.mlp.activation != "silu":  # nor an activation other than SiLU (Gemma's GELU)
             return None
         if first.attn_output_norm is not None or first.self_attn.softcap is not None:  # nor Gemma 2's layer
@@ -68,6 +68,9 @@ class DecoderStack:
         if first.input_layernorm.eps != first.post_attention_layernorm.eps:
             return None
         attn = first.self_attn
+        if attn.q_norm is not None and (attn.projection_norms or attn.q_norm.eps != first.input_layernorm.eps
+                                        or attn.k_norm.eps != attn.q_norm.eps):
+            return None  # the C++ layer norms heads (Qwen3), not whole projections (OLMo), with the layer's eps
         return cls(layers, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.scale)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> list | None:
@@ -89,4 +92,4 @@ class DecoderStack:
         return torch.ops.tritonllm.decoder_stack(
             hidden, self.norms, weights, scales, self.biases, self.out_features, self._k_caches, self._v_caches,
             meta.rope_cos, meta.rope_sin, meta.slot_mapping, list(starts), list(ends), list(tables), list(masks),
-            self.scale, self.eps, self.num_heads, self.num_kv_heads)
+            self.head_norms, self.scale, self.eps, self.num_heads, self.num_kv_heads)
