@@ -98,15 +98,19 @@ def test_a_mixed_step_takes_the_stack_with_the_modules_results(model_dir):
 
 
 @avx512
-def test_qwen3_head_norms_run_in_the_stack_with_the_modules_results(tokenizer, tmp_path):
-    """Qwen3 norms each query and key head before the rotary; the stack does too, bit for bit (a
-    prompt step, then decodes of three rows), and its outputs are transformers' greedy ones."""
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_query_key_and_output_norms_run_in_the_stack_with_the_modules_results(family, tokenizer, tmp_path):
+    """Qwen3 norms each query and key head before the rotary; OLMo 2 norms the whole query and key
+    projections, and the attention's and MLP's outputs instead of their inputs. The stack does as the
+    modules do, bit for bit (a prompt step, then decodes of three rows), and its outputs are
+    transformers' greedy ones."""
     import transformers
 
     from tiny_models import tiny_config_args, write_tiny_model
     from tritonllm.sampling_params import SamplingParams
 
-    config = transformers.Qwen3Config(**{**tiny_config_args(tokenizer), "num_hidden_layers": 3}, head_dim=32)
+    args = {**tiny_config_args(tokenizer), "num_hidden_layers": 3}
+    config = (transformers.Qwen3Config(**args, head_dim=32) if family == "qwen3" else transformers.Olmo2Config(**args))
     reference = write_tiny_model(config, tokenizer, tmp_path)
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in ("def fibonacci(n):", "Once upon a time", "1, 2, 3")]
     params = SamplingParams(max_tokens=10, logprobs=True, ignore_eos=True)
@@ -114,8 +118,10 @@ def test_qwen3_head_norms_run_in_the_stack_with_the_modules_results(tokenizer, t
     for on in (True, False):
         eng = engine(tmp_path)
         model = eng.runner.model
-        assert model.decoder_stack is not None and len(model.decoder_stack.head_norms) == 2 * 3
-        counter = CountingStack(model.decoder_stack) if on else None
+        stack = model.decoder_stack
+        assert stack is not None and len(stack.qk_norms) == 2 * 3
+        assert (len(stack.norms), len(stack.output_norms)) == ((2 * 3, 0) if family == "qwen3" else (0, 2 * 3))
+        counter = CountingStack(stack) if on else None
         model.decoder_stack = counter
         outs = eng.generate(prompt_token_ids=prompts, params=params)
         results[on] = ([o.token_ids for o in outs], torch.tensor([o.logprobs for o in outs]))

@@ -52,10 +52,14 @@ const Ops& ops() {
 }
 
 // hidden [tokens, hidden_size]: the embeddings, which become the residual stream (updated in place).
-// Per layer l: norms[2l], norms[2l + 1] (input and post-attention RMSNorm weights); weights[4l + i]
+// Per layer l: norms[2l], norms[2l + 1] (input and post-attention RMSNorm weights; empty for OLMo,
+// which norms neither: the attention and the MLP then read the residual stream itself); weights[4l + i]
 // with scales[4l + i] (i: QKV, O, gate/up, down): a packed_gemm weight where the scale is None, else
-// block_gemm codes; biases likewise (None: no bias). head_norms: empty, or per layer the query and key
-// heads' RMSNorm weights (Qwen3), applied to the fused projection's heads in place. Attention: the paged_decode_attention calls
+// block_gemm codes; biases likewise (None: no bias). qk_norms: empty, or per layer the query and key
+// RMSNorm weights, over each head (Qwen3) or, with whole_projection_norms, over all the query and all the
+// key heads at once (OLMo), written back into the fused projection before the rotary. output_norms:
+// empty, or per layer the norms of the attention's and the MLP's outputs before their residual adds
+// (OLMo's post_attention_ and post_feedforward_layernorm). Attention: the paged_decode_attention calls
 // covering rows [call_starts[c], call_ends[c]). Returns the final residual stream (before the final
 // norm), as LlamaForCausalLM.forward does.
 at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::TensorList weights,
@@ -63,17 +67,22 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
                          const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, at::IntArrayRef call_starts, at::IntArrayRef call_ends,
-                         at::TensorList call_tables, at::TensorList call_masks, at::TensorList head_norms,
-                         double scale, double eps, int64_t num_heads, int64_t num_kv_heads) {
+                         at::TensorList call_tables, at::TensorList call_masks, at::TensorList qk_norms,
+                         bool whole_projection_norms, at::TensorList output_norms, double scale, double eps,
+                         int64_t num_heads, int64_t num_kv_heads) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   const int64_t linears = kLinearsPerLayer * layers;
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
-                  static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(weights.size()) == linears &&
+                  (norms.empty() || static_cast<int64_t>(norms.size()) == 2 * layers) &&
+                  static_cast<int64_t>(weights.size()) == linears &&
                   static_cast<int64_t>(scales.size()) == linears && static_cast<int64_t>(biases.size()) == linears &&
                   static_cast<int64_t>(out_features.size()) == linears,
-              "decoder_stack: per layer 2 norms, 4 weights (with scales, biases, out_features) and one K and V cache");
-  TORCH_CHECK(head_norms.empty() || static_cast<int64_t>(head_norms.size()) == 2 * layers,
-              "decoder_stack: no head norms, or a query and a key head norm per layer");
+              "decoder_stack: per layer 2 norms or none, 4 weights (with scales, biases, out_features) and one K and "
+              "V cache");
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
+              "decoder_stack: no query/key norms, or a query and a key norm per layer");
+  TORCH_CHECK(output_norms.empty() || static_cast<int64_t>(output_norms.size()) == 2 * layers,
+              "decoder_stack: no output norms, or an attention and an MLP output norm per layer");
   const size_t calls = call_starts.size();
   TORCH_CHECK(calls > 0 && call_ends.size() == calls && call_tables.size() == calls && call_masks.size() == calls,
               "decoder_stack: per attention call a first row, an end row, block tables and a mask");
@@ -97,22 +106,39 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
     }
     return out;
   };
+  const int64_t width = hidden_in.size(1);
+  // residual += x, then the norm of it (LlamaDecoderLayer's _add_and_norm): the stream itself without one.
+  auto add_and_norm = [&](at::Tensor& residual, const at::Tensor& x, int64_t norm) {
+    return norms.empty() ? residual.add_(x) : o.add_rms_norm.call(residual, x, norms[norm], eps);
+  };
+  // As LlamaAttention: each head normed (Qwen3), or the query's and the key's heads together in float32
+  // (OLMo's _projection_norm), written back in place.
+  auto norm_heads = [&](at::Tensor heads, const at::Tensor& weight) {
+    if (!whole_projection_norms) {
+      heads.copy_(at::rms_norm(heads, {head_dim}, weight, eps));
+      return;
+    }
+    at::Tensor flat = heads.reshape({tokens, -1}).to(at::kFloat);
+    at::Tensor sum_sq = flat.pow(2).sum(-1, true);
+    heads.copy_((weight * (flat * at::rsqrt(sum_sq / flat.size(1) + eps))).to(heads.scalar_type()).view_as(heads));
+  };
   at::Tensor residual = hidden_in, hidden;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t i = kLinearsPerLayer * l;
-    at::Tensor x = l == 0 ? at::rms_norm(residual, {residual.size(1)}, norms[0], eps)
-                          : o.add_rms_norm.call(residual, hidden, norms[2 * l], eps);
+    at::Tensor x = l > 0 ? add_and_norm(residual, hidden, 2 * l)
+                   : norms.empty() ? residual : at::rms_norm(residual, {width}, norms[0], eps);
     at::Tensor qkv = linear(x, i).view({tokens, num_heads + 2 * num_kv_heads, head_dim});
-    if (!head_norms.empty()) {  // as LlamaAttention: each head normed, written back before the rotary
-      at::Tensor q_heads = qkv.narrow(1, 0, num_heads), k_heads = qkv.narrow(1, num_heads, num_kv_heads);
-      q_heads.copy_(at::rms_norm(q_heads, {head_dim}, head_norms[2 * l], eps));
-      k_heads.copy_(at::rms_norm(k_heads, {head_dim}, head_norms[2 * l + 1], eps));
+    if (!qk_norms.empty()) {
+      norm_heads(qkv.narrow(1, 0, num_heads), qk_norms[2 * l]);
+      norm_heads(qkv.narrow(1, num_heads, num_kv_heads), qk_norms[2 * l + 1]);
     }
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     at::Tensor q = o.rope_write_kv.call(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads);
-    at::Tensor attn = attention(q, k_cache, v_cache);
-    x = o.add_rms_norm.call(residual, linear(attn.view({tokens, num_heads * head_dim}), i + 1), norms[2 * l + 1], eps);
+    at::Tensor out = linear(attention(q, k_cache, v_cache).view({tokens, num_heads * head_dim}), i + 1);
+    if (!output_norms.empty()) out = at::rms_norm(out, {width}, output_norms[2 * l], eps);
+    x = add_and_norm(residual, out, 2 * l + 1);
     hidden = linear(o.silu_mul.call(linear(x, i + 2)), i + 3);
+    if (!output_norms.empty()) hidden = at::rms_norm(hidden, {width}, output_norms[2 * l + 1], eps);
   }
   return residual.add_(hidden);
 }
@@ -123,7 +149,7 @@ TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
   m.def("decoder_stack(Tensor(c!) hidden, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
         "int[] out_features, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
         "Tensor slot_mapping, int[] call_starts, int[] call_ends, Tensor[] call_tables, Tensor[] call_masks, "
-        "Tensor[] head_norms, float scale, float eps, int num_heads, int num_kv_heads) -> Tensor(c!)");
+        "Tensor[] qk_norms, bool whole_projection_norms, Tensor[] output_norms, float scale, float eps, int num_heads, int num_kv_heads) -> Tensor(c!)");
 }
 
 TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("decoder_stack", &decoder_stack); }

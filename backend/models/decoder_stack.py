@@ -9,10 +9,11 @@ results are bit for bit those of the modules; it needs:
 - float32 on CPU with our kernels (`meta.cpu_kernels`) and every linear on `cpu_gemm=avx512`;
 - one rank (tensor parallelism all-reduces between the ops);
 - attention through our paged kernel (`layers.attention.kernel_calls`);
-- no sliding-window masks in the step (a window shorter than max_model_len);
-- query and key norms only per head (Qwen3's, not OLMo's over the projections), SiLU as the MLP's activation
-  (not Gemma's GELU), and Llama's layer (not Gemma 2's capped scores and normed outputs, nor OLMo's
-  norms after the attention and MLP instead of before), and a dense MLP in every layer (no experts).
+- no sliding-window masks in the step (a window shorter than max_model_len), and one rotary
+  embedding for every layer (not the sliding layers' own of Gemma 3 and OLMo 3);
+- SiLU as the MLP's activation (not Gemma's GELU), no soft-capped scores (Gemma 2), and a dense MLP
+  in every layer (no experts). Query and key norms per head (Qwen3) or over the projections (OLMo), and
+  OLMo's layer (norms after the attention and the MLP instead of before) run in the stack too.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ class DecoderStack:
     """Built from a LlamaForCausalLM whose linears are packed; `None` from `build` if it cannot apply."""
 
     def __init__(self, layers, eps: float, num_heads: int, num_kv_heads: int, scale: float):
-        self.norms = [w for layer in layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
-        self.head_norms = [w for layer in layers if layer.self_attn.q_norm is not None
-                           for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
+        self.norms = [w for layer in layers if layer.input_layernorm is not None
+                      for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        self.qk_norms = [w for layer in layers if layer.self_attn.q_norm is not None
+                         for w in (layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)]
+        self.whole_projection_norms = layers[0].self_attn.projection_norms
+        self.output_norms = [w for layer in layers if layer.attn_output_norm is not None
+                             for w in (layer.attn_output_norm.weight, layer.mlp_output_norm.weight)]
         linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         packed: list[PackedWeight] = [lin.packed for lin in linears]
@@ -61,17 +66,17 @@ class DecoderStack:
         first = layers[0]
         if first.mlp.activation != "silu":  # nor an activation other than SiLU (Gemma's GELU)
             return None
-        if first.attn_output_norm is not None or first.self_attn.softcap is not None:  # nor Gemma 2's layer
+        if first.self_attn.softcap is not None:  # nor Gemma 2's capped scores
             return None
-        if first.input_layernorm is None:  # nor OLMo's, without norms before the attention and MLP
-            return None
-        if first.input_layernorm.eps != first.post_attention_layernorm.eps:
+        if any(layer.self_attn.local_rope for layer in layers):  # one rotary for every layer (not Gemma 3's, OLMo 3's)
             return None
         attn = first.self_attn
-        if attn.q_norm is not None and (attn.projection_norms or attn.q_norm.eps != first.input_layernorm.eps
-                                        or attn.k_norm.eps != attn.q_norm.eps):
-            return None  # the C++ layer norms heads (Qwen3), not whole projections (OLMo), with the layer's eps
-        return cls(layers, first.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.scale)
+        norms = [first.input_layernorm, first.post_attention_layernorm, attn.q_norm, attn.k_norm,
+                 first.attn_output_norm, first.mlp_output_norm]
+        eps = {norm.eps for norm in norms if norm is not None}
+        if len(eps) != 1:  # the C++ layer takes one eps for all its norms
+            return None
+        return cls(layers, eps.pop(), attn.num_heads, attn.num_kv_heads, attn.scale)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> list | None:
         """The step's attention kernel calls if it can take the stack, else None."""
@@ -92,4 +97,4 @@ class DecoderStack:
         return torch.ops.tritonllm.decoder_stack(
             hidden, self.norms, weights, scales, self.biases, self.out_features, self._k_caches, self._v_caches,
             meta.rope_cos, meta.rope_sin, meta.slot_mapping, list(starts), list(ends), list(tables), list(masks),
-            self.head_norms, self.scale, self.eps, self.num_heads, self.num_kv_heads)
+            self.qk_norms, self.whole_projection_norms, self.output_norms, self.scale, self.eps, self.num_heads, self.num_kv_heads)
