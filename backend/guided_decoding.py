@@ -24,7 +24,7 @@ import threading
 from collections import OrderedDict
 from functools import lru_cache
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, json_object
 from .guided_choice import GuidedChoice
 from .guided_grammar import GrammarVocabulary, GuidedGrammar, compile_grammar, compile_json_schema_grammar
 from .guided_regex import GuidedRegex, VocabularyTrie
@@ -42,13 +42,7 @@ def parse_guided_decoding(guided) -> dict | None:
     """`guided` (a dict or its JSON text) checked: the dict to keep, or InvalidRequestError saying what is wrong."""
     if guided is None:
         return None
-    if isinstance(guided, str):  # JSON text, as the vLLM backend also takes it
-        try:
-            guided = json.loads(guided)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"guided_decoding is not valid JSON: {exc}") from None
-    if not isinstance(guided, dict):
-        raise InvalidRequestError(f"guided_decoding must be a JSON object, got {guided!r}")
+    guided = json_object(guided, "guided_decoding")  # JSON text too, as the vLLM backend also takes it
     given = {k: v for k, v in guided.items() if v is not None and v is not False}
     unsupported = sorted(set(given) - set(GUIDE_KINDS) - set(_SWITCHES))
     if unsupported:

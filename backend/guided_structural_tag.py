@@ -22,20 +22,14 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, json_object
 from .guided_grammar import json_compile_options, llguidance_module, one_paragraph
 
 
 def parse_structural_tag(value) -> dict:
     """The request's structural tag (a dict or its JSON text) checked: `{"structures": [...], "triggers":
     [...]}` with each structure's schema a dict, or InvalidRequestError saying what is wrong."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"guided_decoding structural_tag is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidRequestError(f"guided_decoding structural_tag must be a JSON object, got {value!r}")
+    value = json_object(value, "guided_decoding structural_tag")
     if "format" in value:  # xgrammar's newer nested form
         raise InvalidRequestError('guided_decoding structural_tag takes the {"structures": [...], "triggers": [...]} '
                                   'form; the "format" form is not supported by this server')
@@ -56,15 +50,7 @@ def parse_structural_tag(value) -> dict:
         begin, schema, end = s["begin"], s["schema"], s["end"]
         if not isinstance(begin, str) or not isinstance(end, str):
             raise InvalidRequestError(f"guided_decoding structural_tag structures[{i}] begin and end must be strings")
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"guided_decoding structural_tag structures[{i}] schema is not valid "
-                                          f"JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise InvalidRequestError(f"guided_decoding structural_tag structures[{i}] schema must be a JSON "
-                                      f"schema object, got {schema!r}")
+        schema = json_object(schema, f"guided_decoding structural_tag structures[{i}] schema")
         if not any(begin.startswith(t) for t in triggers):
             raise InvalidRequestError(f"guided_decoding structural_tag structures[{i}] begin {begin!r} starts "
                                       f"with none of the triggers {triggers}")

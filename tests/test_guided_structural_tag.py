@@ -117,7 +117,7 @@ def test_a_trigger_that_is_a_special_token_is_matched_as_that_token(engine, toke
     ({"structures": [], "triggers": ["<f"]}, "structures must be a non-empty list"),
     ({"structures": [{"begin": "<g>", "schema": {}, "end": ""}], "triggers": ["<f"]}, "starts with none of the triggers"),
     ({"structures": [{"begin": "<f>", "end": ""}], "triggers": ["<f"]}, "exactly \"begin\", \"schema\" and \"end\""),
-    ({"structures": [{"begin": "<f>", "schema": [1], "end": ""}], "triggers": ["<f"]}, "must be a JSON schema object"),
+    ({"structures": [{"begin": "<f>", "schema": [1], "end": ""}], "triggers": ["<f"]}, "schema must be a JSON object"),
     ({"structures": [{"begin": "<f>", "schema": {"type": "string", "pattern": "[a-"}, "end": ""}], "triggers": ["<f"]},
      "unclosed character class"),
     ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, "\"format\" form is not supported"),
