@@ -35,6 +35,9 @@ class EngineConfig:
     kv_sink_tokens: int = 4
     scheduling_policy: str = "fcfs"
     max_queue_size: int = 0  # 0: unbounded waiting queue
+    # Streamed responses carry at least this many new tokens (the first and the last excepted); a
+    # request's `stream_interval` can raise it (vLLM's). Fewer responses cost less CPU per token.
+    stream_interval: int = 1
     num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default; per rank with tensor parallelism)
     # CPU linears, weights packed once: our AVX-512 kernel (avx512; else onednn), the same on bfloat16
     # weights (avx512_bf16: faster, lossy, opt-in; else avx512), oneDNN (onednn); or F.linear (aten)
@@ -60,7 +63,8 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tensor_parallel_size",
+                     "stream_interval"):
             positive(name)
         if self.num_kv_blocks < 0:
             raise ConfigError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")

@@ -189,7 +189,8 @@ class Engine:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
         self._seqs[seq.request_id] = seq
         self._streams[seq.request_id] = _StreamState(
-            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens))
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens,
+                                   seq.params.spaces_between_special_tokens))
         self.scheduler.add(seq)
 
     def add_request(self, prompt: str | None = None, params: SamplingParams | dict | None = None, **kwargs) -> str:
@@ -269,14 +270,14 @@ class Engine:
                 reason = FinishReason.STOP
         if reason is None and seq.guided is not None and token_id in self.eos_token_ids:
             reason = FinishReason.STOP  # a guided choice ended, ignore_eos or not
-        if reason is None:
+        if reason is None and p.detokenize:
             state.text += state.detok.add(token_id)
             if p.stop and seq.num_output_tokens >= p.min_tokens:
                 reason = self._check_stop_strings(state, p.stop, p.include_stop_str_in_output)
         if reason is None and seq.guided is not None and seq.guided.is_complete(seq.output_token_ids):
             reason = FinishReason.STOP  # a whole choice that nothing extends
         if reason is None:
-            if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
         prompt_logprobs = self._take_prompt_logprobs(seq, state)
         if reason is not None:

@@ -21,6 +21,8 @@ _FLAGS = ("stream", "exclude_input_in_output", "apply_chat_template", "return_fi
 _NON_SAMPLING_PARAMETERS = set(_FLAGS) | {"text_input", "input_ids", "sampling_parameters"}
 # Request parameters are scalars: these come as their JSON text, a list or an object.
 _JSON_TEXT_PARAMETERS = {"stop": "[", "logit_bias": "{", "guided_decoding": "{", "structured_outputs": "{"}
+_BOOL_SAMPLING_PARAMETERS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize",
+                             "include_stop_str_in_output")
 
 
 @dataclass
@@ -103,9 +105,12 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
             sampling.update(from_json)
     # vLLM-backend clients send numbers as strings sometimes ("max_tokens": "32").
     for key in ("max_tokens", "min_tokens", "top_k", "seed", "priority", "logprobs", "prompt_logprobs", "n", "best_of",
-                "truncate_prompt_tokens"):
+                "truncate_prompt_tokens", "stream_interval"):
         if isinstance(sampling.get(key), str) and sampling[key].lstrip("-").isdigit():
             sampling[key] = int(sampling[key])
+    for key in _BOOL_SAMPLING_PARAMETERS:  # and booleans as "true" / "false"
+        if isinstance(sampling.get(key), str):
+            sampling[key] = _bool(sampling[key], key)
     for key in FLOAT_PARAMETERS:
         if isinstance(sampling.get(key), str):
             try:
@@ -119,7 +124,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
             flags[name] = _bool(_scalar(inputs[name], name), name)
 
     prompt = token_ids = None
-    if "input_ids" in inputs and np.asarray(inputs["input_ids"]).size:
+    has_ids = "input_ids" in inputs and np.asarray(inputs["input_ids"]).size > 0
+    if has_ids and "text_input" in inputs:
+        raise InvalidRequestError("give the prompt as text_input or as input_ids, not both")
+    if has_ids:
         ids = np.asarray(inputs["input_ids"]).reshape(-1)
         if ids.dtype.kind not in "iu":
             raise InvalidRequestError("input_ids must be integers")

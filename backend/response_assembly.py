@@ -41,13 +41,16 @@ class _Completion:
 class ResponseAssembler:
     """One request's completions: `add` each engine output, then take the next response's arrays."""
 
-    def __init__(self, parsed: ParsedRequest, decode_token: Callable[[list[int]], str]):
+    def __init__(self, parsed: ParsedRequest, decode_token: Callable[[list[int]], str], stream_interval: int = 1):
         self.parsed = parsed
+        # Tokens per streamed response: the server's `stream_interval`, or the request's where larger (vLLM's).
+        self.stream_interval = max(stream_interval, parsed.params.stream_interval or 1)
         self._decode = decode_token
         self.completions = [_Completion() for _ in range(parsed.params.n)]
         self.num_prompt_tokens = 0
         self._num_finished = 0
         self._prompt_logprobs: list | None = None  # arrived, not yet sent
+        self._num_taken = 0  # responses taken so far
         # Not streaming, the prompt leads each full text unless exclude_input_in_output (vLLM backend's).
         self._prompt_prefix = (parsed.prompt or "") if not parsed.exclude_input_in_output and not parsed.stream else ""
 
@@ -59,6 +62,16 @@ class ResponseAssembler:
     def has_news(self) -> bool:
         """Whether a streamed response now would carry anything: new tokens, text or an ending."""
         return any(c.ids or c.text for c in self.completions)
+
+    @property
+    def due(self) -> bool:
+        """Whether a streamed response is due now: there is news, and it is the first response or
+        `stream_interval` tokens of some completion have come since the last one. (The final response
+        goes when the request finishes, due or not.)"""
+        if not self.has_news:
+            return False
+        return (self.stream_interval == 1 or not self._num_taken
+                or max(len(c.ids) for c in self.completions) >= self.stream_interval)
 
     def add(self, out: RequestOutput) -> None:
         c = self.completions[out.index]
@@ -107,6 +120,7 @@ class ResponseAssembler:
             self._prompt_logprobs = None
         for c in cs:
             c.text, c.ids, c.logprobs, c.top_logprobs = [], [], [], []
+        self._num_taken += 1
         return outputs
 
     def response_parameters(self) -> dict:

@@ -23,14 +23,14 @@ class SamplingParams:
     # vLLM clients, must be None or n: this server returns every completion it generates.
     n: int = 1
     best_of: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None (vLLM's): as many as fit in max_model_len
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text (vLLM's)
     temperature: float = 0.0  # 0: greedy (the fused argmax head)
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 (or vLLM's -1): off
     top_p: float = 1.0
     min_p: float = 0.0  # sampling keeps tokens at least min_p x the most likely one's probability (0 = off)
     # Penalties on tokens already seen, as vLLM's: repetition_penalty (1 = off) divides a seen token's
@@ -44,9 +44,17 @@ class SamplingParams:
     allowed_token_ids: list[int] = field(default_factory=list)  # when set, only these can be chosen (vLLM's)
     bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's: a word's last token is
     # banned where the output so far ends with the rest of it, the word with and without a leading space)
-    seed: int | None = None
+    seed: int | None = None  # -1, as vLLM reads it: none
     priority: int = 0  # lower runs first under scheduling_policy=priority
     skip_special_tokens: bool = True
+    # vLLM's: with skip_special_tokens false, a tokenizer whose decode can space special tokens apart
+    # does so; fast tokenizers (every one transformers 5 loads) write them as they are, as vLLM's own
+    # fast detokenizer does.
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True  # False (vLLM's): token ids only, every text_output empty; no stop strings
+    # vLLM's: a streamed response per this many new tokens (the first and the last at once), so a
+    # client that reads text in chunks pays for fewer responses. None: one per step.
+    stream_interval: int | None = None
     logprobs: bool = True  # each chosen token's log-prob (False: NaN; greedy rows may then use the screened head)
     # Also the log-probs of the N most likely tokens (and the chosen one's rank) at each output token:
     # vLLM's `logprobs: N` in JSON. None: off.
@@ -73,7 +81,8 @@ class SamplingParams:
             if value < minimum:
                 raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
 
-        check_int("max_tokens", 1)
+        if self.max_tokens is not None:
+            check_int("max_tokens", 1)
         check_int("n", 1)
         if self.n > MAX_N:
             raise InvalidRequestError(f"n must be at most {MAX_N}, got {self.n}")
@@ -85,8 +94,12 @@ class SamplingParams:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
             raise InvalidRequestError(f"truncate_prompt_tokens must be a positive integer or -1, got {k!r}")
         check_int("min_tokens", 0)
-        check_int("top_k", 0)
+        check_int("top_k", -1)
+        if self.top_k == -1:
+            self.top_k = 0
         check_int("priority", -(2**31))
+        if self.stream_interval is not None:
+            check_int("stream_interval", 1)
         n = self.top_logprobs
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(f"logprobs (top_logprobs: how many top log-probs) must be an integer in "
@@ -94,13 +107,16 @@ class SamplingParams:
         n = self.prompt_logprobs
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        for name in ("ignore_eos", "skip_special_tokens", "logprobs", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "logprobs",
+                     "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            raise InvalidRequestError("stop strings need the output's text: they cannot be used with detokenize false")
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
@@ -128,6 +144,8 @@ class SamplingParams:
             raise InvalidRequestError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed == -1:
+            self.seed = None
 
     @property
     def greedy(self) -> bool:
@@ -146,8 +164,12 @@ class SamplingParams:
         if not isinstance(values, dict):
             raise InvalidRequestError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
         known = {f.name for f in fields(cls)}
-        # None stands for "the default", as the vLLM backend reads it (clients send every key).
+        # None stands for "the default", as vLLM reads it (clients send every key); for max_tokens that
+        # is no limit but max_model_len.
+        unlimited = "max_tokens" in values and values["max_tokens"] is None
         values = {k: v for k, v in values.items() if v is not None}
+        if unlimited:
+            values["max_tokens"] = None
         if "structured_outputs" in values:  # the vLLM backend's newer name for guided_decoding
             values.setdefault("guided_decoding", values["structured_outputs"])
             del values["structured_outputs"]

@@ -65,7 +65,8 @@ class Scheduler:
         if self.policy == "priority":
             return (first, seq.params.priority, seq.arrival_index)
         if self.policy == "longest_output_first":
-            return (first, -seq.params.max_tokens, seq.arrival_index)
+            limit = seq.params.max_tokens
+            return (first, -(limit if limit is not None else self.max_model_len), seq.arrival_index)
         return (first, seq.arrival_index)
 
     def add(self, seq: Sequence) -> None:

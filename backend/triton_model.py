@@ -141,7 +141,8 @@ class TritonPythonModel:
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
         parsed = parse_request(inputs, request.parameters())
-        active = _Active(uuid.uuid4().hex, sender, ResponseAssembler(parsed, self.engine.tokenizer.decode))
+        assembler = ResponseAssembler(parsed, self.engine.tokenizer.decode, self.engine.config.stream_interval)
+        active = _Active(uuid.uuid4().hex, sender, assembler)
         # Registered before submitting: the first output may arrive before submit() returns.
         self._active[active.request_id] = active
         try:
@@ -202,7 +203,7 @@ class TritonPythonModel:
         if assembler.finished:
             self._pending.pop(active.request_id, None)
             self._send(active)
-        elif assembler.parsed.stream and assembler.has_news:
+        elif assembler.parsed.stream and assembler.due:
             if assembler.parsed.params.n == 1:
                 self._send(active)
             else:  # sent once this step's outputs of the other completions are in too
