@@ -503,7 +503,8 @@ _NOT_A_COUNT = st.one_of(st.none(), st.booleans(), st.integers(max_value=0), st.
 _JUNK = st.one_of(_NOT_A_COUNT, st.integers(), st.text(max_size=6))
 # Valid counts stay small so that every example is bounded (<= 16 tokens).
 _SAMPLING = st.fixed_dictionaries({}, optional={
-    "max_tokens": st.one_of(st.integers(1, 8), st.sampled_from(["3", "-2", " 4"]), _NOT_A_COUNT),
+    # Not null: that is vLLM's "up to max_model_len", which would not keep the examples bounded.
+    "max_tokens": st.one_of(st.integers(1, 8), st.sampled_from(["3", "-2", " 4"]), _NOT_A_COUNT.filter(lambda v: v is not None)),
     "min_tokens": st.one_of(st.integers(0, 8), _NOT_A_COUNT),
     "ignore_eos": st.one_of(st.booleans(), _JUNK),
     "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=3), _JUNK),
@@ -515,6 +516,9 @@ _SAMPLING = st.fixed_dictionaries({}, optional={
     "priority": st.one_of(st.integers(), _JUNK),
     "skip_special_tokens": st.one_of(st.booleans(), _JUNK),
     "logprobs": st.one_of(st.booleans(), _JUNK),
+    "detokenize": st.one_of(st.booleans(), _JUNK),
+    "spaces_between_special_tokens": st.one_of(st.booleans(), _JUNK),
+    "stream_interval": st.one_of(st.integers(-1, 4), _JUNK),
     "max_tokenz": _JUNK,
 })
 _SAMPLING_TEXT = st.one_of(
