@@ -102,6 +102,7 @@ def test_stream_interval_and_ids_only_through_triton(triton_server, engine):
     client.send("every", make_inputs(prompt, sampling={"max_tokens": 20, "ignore_eos": True, "top_k": -1}))
     client.send("chunked", make_inputs(prompt, sampling={"max_tokens": 20, "ignore_eos": True, "stream_interval": 8}))
     client.send("ids", make_inputs(prompt, sampling={"max_tokens": 20, "ignore_eos": True, "detokenize": False}))
+    client.send("pair", make_inputs(prompt, sampling={"max_tokens": 20, "ignore_eos": True, "n": 2, "stream_interval": 8}))
     got = client.wait(timeout=120)
     client.close()
     alone = StreamClient(triton_server.grpc_url)  # an error names no request: one stream for it
@@ -115,6 +116,9 @@ def test_stream_interval_and_ids_only_through_triton(triton_server, engine):
     assert got["chunked"].ids == ref.token_ids and got["chunked"].text == ref.text
     assert got["chunked"].response_id_counts == [1, 8, 8, 3]
     assert got["ids"].ids == ref.token_ids and got["ids"].text == ""
+    # Two greedy completions: each response holds both completions' tokens, one after the other.
+    assert got["pair"].response_id_counts == [2, 16, 16, 6]
+    assert got["pair"].arrays[1]["output_ids"].tolist() == ref.token_ids[1:9] * 2
     assert got["both"].error and "not both" in got["both"].error
 
 
