@@ -8,9 +8,9 @@ import pytest
 
 from grpc_stream import StreamClient, make_inputs
 from prompts import PLAIN_PROMPTS
+from tritonllm.outputs import RequestOutput
 from tritonllm.request_parsing import parse_request
 from tritonllm.response_assembly import ResponseAssembler
-from tritonllm.outputs import RequestOutput
 from tritonllm.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -70,9 +70,9 @@ def test_request_strings_for_the_new_parameters_are_converted_and_both_prompts_r
             SamplingParams(stream_interval=bad)
 
 
-def _output(ids: list[int], finished: bool = False) -> RequestOutput:
-    return RequestOutput("r", ids, [0.0] * len(ids), "x" * len(ids), finished, "length" if finished else None, 3,
-                         0, 0)
+def _output(ids: list[int]) -> RequestOutput:
+    """A running request's news of one step: these tokens, one character of text each."""
+    return RequestOutput("r", ids, [0.0] * len(ids), "x" * len(ids), False, None, 3, 0, 0)
 
 
 def test_a_stream_interval_makes_a_response_due_first_then_every_interval_tokens():
