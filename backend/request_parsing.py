@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling_params import FLOAT_PARAMETERS, InvalidRequestError, SamplingParams
+from .sampling_params import BOOL_PARAMETERS, FLOAT_PARAMETERS, InvalidRequestError, SamplingParams
 
 MAX_TEXT_BYTES = 1 << 20  # bounded request size: a prompt beyond 1 MiB is refused outright
 
@@ -21,8 +21,6 @@ _FLAGS = ("stream", "exclude_input_in_output", "apply_chat_template", "return_fi
 _NON_SAMPLING_PARAMETERS = set(_FLAGS) | {"text_input", "input_ids", "sampling_parameters"}
 # Request parameters are scalars: these come as their JSON text, a list or an object.
 _JSON_TEXT_PARAMETERS = {"stop": "[", "logit_bias": "{", "guided_decoding": "{", "structured_outputs": "{"}
-_BOOL_SAMPLING_PARAMETERS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize",
-                             "include_stop_str_in_output")
 
 
 @dataclass
@@ -108,7 +106,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
                 "truncate_prompt_tokens", "stream_interval"):
         if isinstance(sampling.get(key), str) and sampling[key].lstrip("-").isdigit():
             sampling[key] = int(sampling[key])
-    for key in _BOOL_SAMPLING_PARAMETERS:  # and booleans as "true" / "false"
+    for key in BOOL_PARAMETERS:  # and booleans as "true" / "false"
         if isinstance(sampling.get(key), str):
             sampling[key] = _bool(sampling[key], key)
     for key in FLOAT_PARAMETERS:

@@ -11,6 +11,9 @@ from .guided_decoding import parse_guided_decoding
 
 # The parameters that are numbers with a fraction: an integer given for one is taken as a float.
 FLOAT_PARAMETERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+# The parameters that are booleans (`logprobs` aside: as vLLM's JSON parameter it is a count).
+BOOL_PARAMETERS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize",
+                   "include_stop_str_in_output")
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it
 MAX_N = 64  # completions per request: each is a sequence of the running batch (max_num_seqs is 64 by default)
@@ -109,8 +112,7 @@ class SamplingParams:
             raise InvalidRequestError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "logprobs",
-                     "include_stop_str_in_output"):
+        for name in (*BOOL_PARAMETERS, "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
