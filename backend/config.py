@@ -30,6 +30,9 @@ class EngineConfig:
     kv_cache_max_bytes: int = 2 << 30  # CPU cap on the pool, so one model cannot take all RAM
     kv_cache_dtype: str = "auto"  # the pool's element type; auto: the model's dtype (16-bit halves KV memory and reads)
     enable_prefix_caching: bool = True
+    # Models that mix sliding and full layers (Gemma 2 and 3, OLMo 3): the sliding layers' K/V in a pool
+    # of their own, freed behind the window (window_pool.py); false: one pool that keeps every layer's
+    window_pool: bool = True
     kv_window: int = 0  # recent-window KV pruning: keep this many recent tokens (0: off)
     kv_window_ratio: float = 0.0  # ... or this fraction of the prompt (0: off)
     kv_sink_tokens: int = 4

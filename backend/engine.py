@@ -17,6 +17,7 @@ import torch
 
 from . import device as devices
 from .block_manager import BlockManager
+from .window_pool import WindowPoolBlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .guided_decoding import Guides
@@ -63,10 +64,17 @@ class Engine:
         self.eos_token_ids = self._eos_ids(hf_config)
         self.guides = Guides(self.tokenizer, self.eos_token_ids)
         self.runner = ModelRunner(config, self.model_dir, self.device, self.dtype, self.max_model_len, self.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        model = self.runner.model
+        if self.runner.num_window_blocks:  # the sliding layers' K/V in a pool of their own
+            self.block_manager = WindowPoolBlockManager(self.runner.num_blocks, self.runner.num_window_blocks,
+                                                        config.block_size, model.attention_window,
+                                                        config.enable_prefix_caching)
+        else:  # every layer's K/V in one pool, freed behind the window where every layer slides
+            self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                              window=model.kv_release_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.kv_window,
-                                   config.kv_window_ratio, config.kv_sink_tokens, self.runner.model.kv_release_window)
+                                   config.kv_window_ratio, config.kv_sink_tokens)
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _StreamState] = {}
         self._add_lock = threading.Lock()  # add_request may be called from other threads

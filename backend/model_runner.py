@@ -25,6 +25,7 @@ from .prompt_logprobs import positions_to_score, score_prompts
 from .sampler import SamplingBatch, choose_tokens, ranking_logprobs, top_logprobs, unpack_tokens
 from .scheduler import ScheduledSeq
 from .step_inputs import MAX_DECODE_GROUPS, DeviceStep, HostStep, build_host_step, copy_kv_slots, to_device
+from .window_pool import window_pool_blocks_per_sequence
 from .tensor_parallel import TPShard, check_shardable, rank_device
 from .tp_workers import TensorParallelError, TensorParallelWorkers, WorkerSpec, make_store, new_process_group
 
@@ -40,16 +41,21 @@ class StepInputs:
     scored: list[ScheduledSeq]  # sequences whose prompt positions this step scores (prompt_logprobs.py)
 
 
-def allocate_kv_pool(model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-    """Per layer (K, V), each [kv_heads on this rank, num_blocks, block_size, head_dim] (head-major:
-    see layers/attention.py).
+def allocate_kv_pool(model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                     num_window_blocks: int = 0):
+    """Per layer (K, V), each [kv_heads on this rank, blocks, block_size, head_dim] (head-major: see
+    layers/attention.py): `num_window_blocks` blocks for the layers whose K/V live in the window pool
+    (`model.window_pool_layers`, window_pool.py), `num_blocks` for the others.
 
     Zeroed, not empty: attention reads whole blocks, and a NaN left in memory under a masked
     position would still poison the weighted sum (0 * NaN).
     """
-    shape = (model.num_kv_heads, num_blocks, block_size, model.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)]
+    def pool(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (model.num_kv_heads, blocks, block_size, model.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    in_window_pool = model.window_pool_layers if num_window_blocks else None
+    return [pool(num_window_blocks if in_window_pool and in_window_pool[i] else num_blocks) for i in range(model.num_layers)]
 
 
 class ModelRunner:
@@ -82,14 +88,26 @@ class ModelRunner:
             logger.info("loaded %s (%s, %s, tensor-parallel rank 0 of %d) in %.1f s", model_dir, device, dtype,
                         self.tp_size, time.perf_counter() - started)
             m = self.model
-            self.kv_bytes_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
-            self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
+            # A token's K/V in the main pool, and in the window pool where the sliding layers have one: a
+            # token within the window holds both, one behind it only the first.
+            layer_bytes = 2 * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
+            self.window_pool_layers = m.window_pool_layers if config.window_pool else None
+            num_window_layers = sum(self.window_pool_layers or [])
+            self.kv_bytes_per_token = (m.num_layers - num_window_layers) * layer_bytes
+            self.window_kv_bytes_per_token = num_window_layers * layer_bytes
+            self.window_blocks_per_seq = 0 if not num_window_layers else window_pool_blocks_per_sequence(
+                m.attention_window, config.max_num_batched_tokens, max_model_len, self.block_size)
+            if config.num_kv_blocks:
+                self.num_blocks = config.num_kv_blocks
+                self.num_window_blocks = self._window_pool_blocks(config.num_kv_blocks)
+            else:
+                self.num_blocks, self.num_window_blocks = self._blocks_from_memory()
             if self.workers is not None:
                 self._connect_workers()
         except BaseException:
             self.close()
             raise
-        self.kv_caches = allocate_kv_pool(m, self.num_blocks, self.block_size, self.kv_dtype, device)
+        self.kv_caches = allocate_kv_pool(m, self.num_blocks, self.block_size, self.kv_dtype, device, self.num_window_blocks)
         # Our C++ CPU kernels where they apply and build (decode attention reading K/V in place, the
         # layers' fused elementwise ops, the greedy head); one decode group then (the kernel skips
         # padding instead of gathering it), else up to four.
@@ -97,10 +115,10 @@ class ModelRunner:
         self.max_decode_groups = 1 if self.use_cpu_kernels else MAX_DECODE_GROUPS
         logger.info("kernels: %s", "our C++ CPU kernels" if self.use_cpu_kernels
                     else "torch (decode attention as gather + batched GEMMs)")
-        logger.info("KV pool: %d blocks x %d tokens, %s (%.1f MiB, %d bytes/token on this rank); max concurrency "
+        logger.info("KV pool: %d blocks x %d tokens, %s (%.1f MiB, %d bytes/token on this rank)%s; max concurrency "
                     "at max_model_len=%d: %.1f", self.num_blocks, self.block_size, str(self.kv_dtype).removeprefix("torch."),
-                    self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20,
-                    self.kv_bytes_per_token, max_model_len, self.num_blocks * self.block_size / max_model_len)
+                    self.num_blocks * self.block_size * self.kv_bytes_per_token / 2**20, self.kv_bytes_per_token,
+                    self._window_pool_description(), max_model_len, self.max_concurrency)
 
     # ---- tensor parallelism ------------------------------------------------------------------
     def _threads_per_rank(self) -> int:
@@ -118,7 +136,7 @@ class ModelRunner:
     def _connect_workers(self) -> None:
         self.workers.wait_loaded()
         store = make_store(0, self.tp_size, is_master=True)
-        self.workers.connect(store.port, self.num_blocks)
+        self.workers.connect(store.port, self.num_blocks, self.num_window_blocks)
         self.tp.group = new_process_group(self.device, 0, self.tp_size, store)
         self._store = store  # the rendezvous store lives as long as the group
 
@@ -137,13 +155,42 @@ class ModelRunner:
             torch.set_num_threads(self._threads_before)
             self._threads_before = 0
 
-    def _blocks_from_memory(self) -> int:
+    @property
+    def max_concurrency(self) -> float:
+        """How many sequences of max_model_len tokens the pools hold at once (the window pool limits it only
+        where it holds fewer than max_num_seqs sequences' windows)."""
+        full = self.num_blocks * self.block_size / self.max_model_len
+        if not self.window_blocks_per_seq:
+            return full
+        windows = self.num_window_blocks / self.window_blocks_per_seq
+        return full if windows >= self.config.max_num_seqs else min(full, windows)
+
+    def _window_pool_description(self) -> str:
+        if not self.window_blocks_per_seq:
+            return ""
+        mib = self.num_window_blocks * self.block_size * self.window_kv_bytes_per_token / 2**20
+        return (f"; window pool for {sum(self.window_pool_layers)} sliding layers (window "
+                f"{self.model.attention_window}): {self.num_window_blocks} blocks ({mib:.1f} MiB, "
+                f"{self.window_kv_bytes_per_token} bytes/token, at most {self.window_blocks_per_seq} a sequence)")
+
+    def _window_pool_blocks(self, num_blocks: int) -> int:
+        """The window pool's size beside a main pool of `num_blocks`: room for max_num_seqs sequences'
+        windows, and never more blocks than the main pool (no sequence needs more there than there)."""
+        if not self.window_blocks_per_seq:
+            return 0
+        return min(self.config.max_num_seqs * self.window_blocks_per_seq, num_blocks)
+
+    def _blocks_from_memory(self) -> tuple[int, int]:
+        """The main pool's blocks and the window pool's from the memory budget. The window pool takes what
+        it would take beside one pool of every layer (`_window_pool_blocks`), the main pool the rest."""
         free = devices.free_memory_bytes(self.device)
         budget = int(free * self.config.kv_cache_memory_fraction)
-        bytes_per_token = self.kv_bytes_per_token
+        bytes_per_token = self.kv_bytes_per_token + self.window_kv_bytes_per_token
+        ranks = 1
         if self.device.type == "cpu":
             budget = min(budget, self.config.kv_cache_max_bytes)
-            bytes_per_token *= self.tp_size  # every rank's pool lives in the same host memory
+            ranks = self.tp_size  # every rank's pool lives in the same host memory
+        bytes_per_token *= ranks
         # Reserve room for the largest step's activations: hidden-sized buffers per batched
         # token, and float32 logits (plus softmax temporaries) per sampled sequence.
         cfg = self.model.config
@@ -154,11 +201,14 @@ class ModelRunner:
         if blocks < need:
             raise RuntimeError(f"not enough memory for one sequence of max_model_len={self.max_model_len}: "
                                f"{budget} bytes give {blocks} KV blocks, {need} needed")
-        return int(blocks)
+        window_blocks = self._window_pool_blocks(int(blocks))
+        budget -= window_blocks * self.block_size * self.window_kv_bytes_per_token * ranks
+        return int(budget // (self.block_size * self.kv_bytes_per_token * ranks)), window_blocks
 
     # ---- inputs ------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        host, sampled = build_host_step(scheduled, self.block_size, self.max_decode_groups, self.model.attention_window)
+        host, sampled = build_host_step(scheduled, self.block_size, self.max_decode_groups, self.model.attention_window,
+                                        window_pool=bool(self.num_window_blocks))
         scored = [item for item in scheduled if positions_to_score(item)]
         return StepInputs(host, to_device(host, self.device, self.use_cpu_kernels), sampled, self._sampling_batch(sampled),
                           scored)
@@ -209,7 +259,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> tuple[list[int], list[float], list[list[tuple[int, float, int]] | None]]:
         """Run the step; per sampled row its token id, log-prob (NaN if not asked) and top log-probs (None if not asked)."""
         dev = inputs.device
-        copy_kv_slots(self.kv_caches, dev.kv_copy)
+        copy_kv_slots(self.kv_caches, dev, self.window_pool_layers)
         if self.workers is None:
             hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, dev.meta)
         else:
@@ -271,6 +321,8 @@ class ModelRunner:
             seq = Sequence(f"warmup-{i}", [0] * n, SamplingParams(max_tokens=1, logprobs=logprobs))
             nb = -(-n // bs)
             seq.block_table = list(range(next_block, next_block + nb))
+            if self.num_window_blocks:  # throw-away K/V: sequences may share window-pool blocks
+                seq.window_block_table = [b % self.num_window_blocks for b in seq.block_table]
             next_block += nb
             items.append(ScheduledSeq(seq, n))
         if next_block > self.num_blocks:

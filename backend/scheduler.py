@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, KVCopy
+from .window_pool import WindowPoolBlockManager
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -21,7 +22,7 @@ from .sequence import FinishReason, Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
-    kv_copy: KVCopy | None = None  # prefix K/V to copy into the sequence's block before the forward
+    kv_copies: list[KVCopy] = field(default_factory=list)  # prefix K/V to copy into its blocks before the forward
     first_row: int = -1  # its first token's row among the step's flat tokens (set by step_inputs)
 
     @property
@@ -42,9 +43,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs", kv_window: int = 0, kv_window_ratio: float = 0.0,
-                 kv_sink_tokens: int = 0, model_window: int | None = None):
+    def __init__(self, block_manager: BlockManager | WindowPoolBlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs", kv_window: int = 0,
+                 kv_window_ratio: float = 0.0, kv_sink_tokens: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -53,7 +54,6 @@ class Scheduler:
         self.kv_window = kv_window
         self.kv_window_ratio = kv_window_ratio
         self.kv_sink_tokens = kv_sink_tokens
-        self.model_window = model_window  # every layer slides: blocks behind it are freed, exactly
         self.waiting: list[tuple[tuple, Sequence]] = []  # sorted by policy key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -149,19 +149,18 @@ class Scheduler:
             if not bm.can_allocate(match, num_cached + num_new):
                 if not self.running and not scheduled:
                     # Even an empty pool cannot take this chunk: shrink it to what fits.
-                    num_new = min(num_new, (bm.num_free_blocks - len(match.blocks)) * bm.block_size
-                                  - match.partial_tokens)
+                    num_new = min(num_new, bm.new_tokens_that_fit(match))
                     if num_new <= 0 or not bm.can_allocate(match, num_cached + num_new):
                         break
                 else:
                     break
             self.waiting.pop(i)
-            kv_copy = bm.allocate(seq, match, num_cached + num_new)
+            kv_copies = bm.allocate(seq, match, num_cached + num_new)
             seq.status = SequenceStatus.RUNNING
             if not seq.times.scheduled:
                 seq.times.scheduled = now
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, num_new, kv_copy))
+            scheduled.append(ScheduledSeq(seq, num_new, kv_copies))
             budget -= num_new
 
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_preempted)
@@ -176,28 +175,20 @@ class Scheduler:
     def _release_behind_windows(self, seq: Sequence) -> None:
         """Free the blocks no query of this step or later attends to.
 
-        The model's own window (every layer slides) is exact: this step's queries start at position
+        The model's own window (the layers that slide) is exact: this step's queries start at position
         `num_computed_tokens` and see keys after `num_computed_tokens - window`, so every block wholly
-        before that position is dead. Recent-window KV pruning (`kv_window`, `kv_window_ratio`) is
-        the lossy one: it keeps its window and the sink blocks, and drops what the model would still read.
+        before that position is dead (block_manager.py). Recent-window KV pruning (`kv_window`,
+        `kv_window_ratio`) is the lossy one: it keeps its window and the sink blocks, and drops what the
+        model would still read.
         """
-        bs = self.block_manager.block_size
-        if self.model_window:
-            self._release_blocks(seq, 0, max(seq.num_computed_tokens - self.model_window, 0) // bs, exact=True)
+        self.block_manager.release_behind_window(seq)
         window = self.kv_window or int(self.kv_window_ratio * seq.num_prompt_tokens)
         if not window:
             return
+        bs = self.block_manager.block_size
         keep_from = seq.num_computed_tokens - window  # first position still attended
         first_block = -(-self.kv_sink_tokens // bs)  # sink blocks are never pruned
-        self._release_blocks(seq, first_block, max(keep_from, 0) // bs)
-
-    def _release_blocks(self, seq: Sequence, first: int, end: int, exact: bool = False) -> None:
-        """Release blocks [first, end) of `seq`, newest first. Every step releases such a range with an
-        end that only grows, so the first block found released marks where the last step stopped."""
-        for index in range(end - 1, first - 1, -1):
-            if seq.block_table[index] < 0:
-                break
-            self.block_manager.release_block(seq, index, exact)
+        self.block_manager.release_blocks(seq, first_block, max(keep_from, 0) // bs)
 
     # ---- after the forward -----------------------------------------------------------------
     def commit(self, out: SchedulerOutput) -> None:

@@ -65,6 +65,8 @@ class Sequence:
         # KV state: tokens whose K/V are in the cache, and the blocks that hold them.
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # The sliding layers' blocks, where they have a pool of their own (window_pool.py); else empty.
+        self.window_block_table: list[int] = []
         self.num_cached_prompt_tokens = 0  # reused from the prefix cache at admission
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chained hashes of full blocks, for the prefix cache

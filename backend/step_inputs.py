@@ -30,6 +30,7 @@ class HostGroup:
     token_offset: int
     num_tokens: int
     window_mask: np.ndarray | None = None  # as mask, limited to each query's last `window` positions
+    window_block_tables: np.ndarray | None = None  # the sliding layers' own pool's tables (window_pool.py)
 
 
 @dataclass
@@ -37,12 +38,15 @@ class HostStep:
     input_ids: np.ndarray  # [num_tokens] int64: decode tokens first, then prompt chunks
     positions: np.ndarray  # [num_tokens] int64
     slot_mapping: np.ndarray  # [num_tokens] int64
+    window_slot_mapping: np.ndarray | None  # the same tokens' slots in the sliding layers' own pool, if any
     decode: list[HostGroup]
     prefill: HostGroup | None
     logits_rows: np.ndarray  # flat token rows whose next token is chosen this step
     # Prefix K/V copied slot to slot (block * block_size + offset) before the forward; empty: none.
     kv_copy_src: np.ndarray
     kv_copy_dst: np.ndarray
+    window_kv_copy_src: np.ndarray  # ... in the sliding layers' own pool
+    window_kv_copy_dst: np.ndarray
 
 
 @dataclass
@@ -52,15 +56,17 @@ class DeviceStep:
     meta: AttentionMetadata
     logits_rows: torch.Tensor
     kv_copy: tuple[torch.Tensor, torch.Tensor] | None  # (source slots, destination slots)
+    window_kv_copy: tuple[torch.Tensor, torch.Tensor] | None  # ... in the sliding layers' own pool
 
 
 def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_groups: int = MAX_DECODE_GROUPS,
-                    window: int | None = None) -> tuple[HostStep, list[ScheduledSeq]]:
+                    window: int | None = None, window_pool: bool = False) -> tuple[HostStep, list[ScheduledSeq]]:
     """The step's flat inputs, and the sequences that choose a token (in logits-row order).
 
     `max_decode_groups` 1 suits the decode kernel, which skips padding instead of gathering it.
     `window`: the model has sliding-window layers, which attend to each query's last `window`
-    positions only; each group then also carries that mask.
+    positions only; each group then also carries that mask. `window_pool`: their K/V live in a pool
+    of their own (window_pool.py), with the sequences' `window_block_table`s.
     """
     bs = block_size
     decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
@@ -68,6 +74,7 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_g
     input_ids: list[int] = []
     positions: list[np.ndarray] = []
     slots: list[np.ndarray] = []
+    window_slots: list[np.ndarray] = []
     logits_rows: list[int] = []
     sampled: list[ScheduledSeq] = []
     for item in decodes + prefills:
@@ -78,6 +85,8 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_g
         table = np.asarray(seq.block_table)
         positions.append(pos)
         slots.append(table[pos // bs] * bs + pos % bs)
+        if window_pool:
+            window_slots.append(np.asarray(seq.window_block_table)[pos // bs] * bs + pos % bs)
         if item.samples:
             logits_rows.append(len(input_ids) - 1)
             sampled.append(item)
@@ -85,20 +94,26 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_g
         input_ids=np.asarray(input_ids, dtype=np.int64),
         positions=np.concatenate(positions).astype(np.int64),
         slot_mapping=np.concatenate(slots).astype(np.int64),
-        decode=[_group(part, offset, bs, window) for part, offset in split_by_length(decodes, bs, max_decode_groups)],
-        prefill=_group(prefills, len(decodes), bs, window) if prefills else None,
+        window_slot_mapping=np.concatenate(window_slots).astype(np.int64) if window_pool else None,
+        decode=[_group(part, offset, bs, window, window_pool)
+                for part, offset in split_by_length(decodes, bs, max_decode_groups)],
+        prefill=_group(prefills, len(decodes), bs, window, window_pool) if prefills else None,
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
-        **_kv_copy_slots([s.kv_copy for s in scheduled if s.kv_copy is not None], bs),
+        **_kv_copy_slots([c for s in scheduled for c in s.kv_copies], bs),
     )
     return host, sampled
 
 
 def _kv_copy_slots(copies: list[KVCopy], bs: int) -> dict[str, np.ndarray]:
-    src = [np.arange(c.num_tokens) + c.src * bs for c in copies]
-    dst = [np.arange(c.num_tokens) + c.dst * bs for c in copies]
-    empty = np.zeros(0, dtype=np.int64)
-    return {"kv_copy_src": np.concatenate(src).astype(np.int64) if copies else empty,
-            "kv_copy_dst": np.concatenate(dst).astype(np.int64) if copies else empty}
+    slots = {}
+    for prefix, in_window_pool in (("", False), ("window_", True)):
+        pool = [c for c in copies if c.window == in_window_pool]
+        src = [np.arange(c.num_tokens) + c.src * bs for c in pool]
+        dst = [np.arange(c.num_tokens) + c.dst * bs for c in pool]
+        empty = np.zeros(0, dtype=np.int64)
+        slots[f"{prefix}kv_copy_src"] = np.concatenate(src).astype(np.int64) if pool else empty
+        slots[f"{prefix}kv_copy_dst"] = np.concatenate(dst).astype(np.int64) if pool else empty
+    return slots
 
 
 def split_by_length(decodes: list[ScheduledSeq], block_size: int,
@@ -134,17 +149,22 @@ def split_by_length(decodes: list[ScheduledSeq], block_size: int,
     return [(decodes[i:j], i) for i, j in reversed(bounds)]
 
 
-def _group(items: list[ScheduledSeq], token_offset: int, bs: int, window: int | None = None) -> HostGroup:
+def _group(items: list[ScheduledSeq], token_offset: int, bs: int, window: int | None = None,
+           window_pool: bool = False) -> HostGroup:
     batch = len(items)
     q_lens = [it.num_new_tokens for it in items]
     starts = [it.seq.num_computed_tokens for it in items]
     max_blocks = max(-(-(s + n) // bs) for s, n in zip(starts, q_lens))
     tables = np.zeros((batch, max_blocks), dtype=np.int64)
     valid = np.zeros((batch, max_blocks), dtype=bool)
+    window_tables = np.zeros((batch, max_blocks), dtype=np.int64) if window_pool else None
     for i, it in enumerate(items):
         row = np.asarray(it.seq.block_table[:max_blocks])
         tables[i, :len(row)] = np.maximum(row, 0)
         valid[i, :len(row)] = row >= 0
+        if window_pool:  # its -1 slots are behind every query's window: the window mask hides them
+            row = np.asarray(it.seq.window_block_table[:max_blocks])
+            window_tables[i, :len(row)] = np.maximum(row, 0)
     width = max_blocks * bs
     key_pos = np.arange(width)
     key_ok = np.repeat(valid, bs, axis=1)  # [batch, width]: block still holds its K/V
@@ -164,7 +184,7 @@ def _group(items: list[ScheduledSeq], token_offset: int, bs: int, window: int | 
             m[~real, 0] = True  # padding rows attend somewhere: no NaN from an empty softmax
         output_index = np.flatnonzero(real.reshape(-1)).astype(np.int64)
     return HostGroup(tables, mask[:, None, :, :], query_index, output_index, token_offset, sum(q_lens),
-                     None if window_mask is None else window_mask[:, None, :, :])
+                     None if window_mask is None else window_mask[:, None, :, :], window_tables)
 
 
 def to_device(host: HostStep, device: torch.device, use_cpu_kernels: bool = False) -> DeviceStep:
@@ -172,39 +192,45 @@ def to_device(host: HostStep, device: torch.device, use_cpu_kernels: bool = Fals
         return torch.from_numpy(array).to(device, non_blocking=True)
 
     def group(g: HostGroup, sliding: bool = False) -> AttentionGroup:
+        tables = g.window_block_tables if sliding and g.window_block_tables is not None else g.block_tables
         return AttentionGroup(
-            block_tables=to(g.block_tables), mask=to(g.window_mask if sliding else g.mask),
+            block_tables=to(tables), mask=to(g.window_mask if sliding else g.mask),
             query_index=None if g.query_index is None else to(g.query_index),
             output_index=None if g.output_index is None else to(g.output_index),
             token_offset=g.token_offset, num_tokens=g.num_tokens)
 
     def metadata(sliding: bool = False) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=window_slot_mapping if sliding and window_slot_mapping is not None else slot_mapping,
             decode=[group(g, sliding) for g in host.decode],
             prefill=group(host.prefill, sliding) if host.prefill is not None else None,
             cpu_kernels=use_cpu_kernels,
         )
 
     slot_mapping = to(host.slot_mapping)
+    window_slot_mapping = None if host.window_slot_mapping is None else to(host.window_slot_mapping)
     meta = metadata()
     groups = host.decode + ([host.prefill] if host.prefill is not None else [])
     if groups and groups[0].window_mask is not None:
         meta.sliding = metadata(sliding=True)
     kv_copy = (to(host.kv_copy_src), to(host.kv_copy_dst)) if len(host.kv_copy_src) else None
-    return DeviceStep(to(host.input_ids), to(host.positions), meta, to(host.logits_rows), kv_copy)
+    window_kv_copy = (to(host.window_kv_copy_src), to(host.window_kv_copy_dst)) if len(host.window_kv_copy_src) else None
+    return DeviceStep(to(host.input_ids), to(host.positions), meta, to(host.logits_rows), kv_copy, window_kv_copy)
 
 
-def copy_kv_slots(kv_caches, kv_copy: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """Run a step's prefix K/V copies in every layer's pool ([kv_heads, blocks, block_size, head_dim]).
+def copy_kv_slots(kv_caches, step: DeviceStep, window_pool_layers: list[bool] | None = None) -> None:
+    """Run a step's prefix K/V copies in every layer's pool ([kv_heads, blocks, block_size, head_dim]):
+    the window pool's copies in the layers whose K/V live there (`window_pool_layers`), the others'
+    in the rest.
 
     All sources are read before any destination is written, so a block that is one copy's source
     and, handed out again in the same step, another's destination still gives its old contents.
     """
-    if kv_copy is None:
-        return
-    src, dst = kv_copy
-    for k, v in kv_caches:
+    for i, (k, v) in enumerate(kv_caches):
+        copy = step.window_kv_copy if window_pool_layers and window_pool_layers[i] else step.kv_copy
+        if copy is None:
+            continue
+        src, dst = copy
         for pool in (k, v):
             flat = pool.view(pool.shape[0], -1, pool.shape[-1])
             flat[:, dst] = flat[:, src]

@@ -39,10 +39,11 @@ def serve(conn: Connection) -> None:
     model = load_model(Path(spec.model_dir), dtype, device, spec.max_model_len, tp, spec.cpu_gemm, spec.batch_hint,
                        exact_blocks=spec.exact_blocks)
     conn.send("loaded")
-    _, store_port, num_blocks = conn.recv()
+    _, store_port, num_blocks, num_window_blocks = conn.recv()
     store = make_store(store_port, spec.world_size, False)
     tp.group = new_process_group(device, spec.rank, spec.world_size, store)
-    kv_caches = allocate_kv_pool(model, num_blocks, spec.block_size, getattr(torch, spec.kv_cache_dtype), device)
+    kv_caches = allocate_kv_pool(model, num_blocks, spec.block_size, getattr(torch, spec.kv_cache_dtype), device,
+                                 num_window_blocks)
     use_kernels = cpu_kernels.use_for(spec.cpu_kernels, device, dtype)
     logger.info("rank %d ready: %d KV heads, %d blocks of %s on %s", spec.rank, model.num_kv_heads, num_blocks,
                 str(kv_caches[0][0].dtype).removeprefix("torch."), device)
@@ -55,7 +56,7 @@ def serve(conn: Connection) -> None:
             if kind == "stop":
                 break
             step = to_device(host, device, use_kernels)
-            copy_kv_slots(kv_caches, step.kv_copy)
+            copy_kv_slots(kv_caches, step, model.window_pool_layers if num_window_blocks else None)
             model(step.input_ids, step.positions, kv_caches, step.meta)
 
 

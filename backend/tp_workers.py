@@ -115,10 +115,10 @@ class TensorParallelWorkers:
             if message != "loaded":
                 raise TensorParallelError(f"tensor-parallel worker rank {rank}: unexpected {message!r}")
 
-    def connect(self, store_port: int, num_blocks: int) -> None:
-        """Tell the workers to join the process group (rank 0 joins it right after this)."""
+    def connect(self, store_port: int, num_blocks: int, num_window_blocks: int) -> None:
+        """Tell the workers to join the process group (rank 0 joins it right after this) and their pools' sizes."""
         for conn in self._conns:
-            conn.send(("connect", store_port, num_blocks))
+            conn.send(("connect", store_port, num_blocks, num_window_blocks))
 
     # ---- steps -------------------------------------------------------------------------------
     def broadcast(self, host_step) -> None:

@@ -157,9 +157,9 @@ def test_a_prefix_ending_inside_a_block_reuses_its_leading_tokens_through_a_copy
     match = bm.match_prefix(b)
     assert match.blocks == a.block_table[:1] and match.partial_block == a.block_table[1]
     assert match.partial_tokens == 2 and match.num_tokens == 6
-    kv_copy = bm.allocate(b, match, b.num_tokens)
+    kv_copies = bm.allocate(b, match, b.num_tokens)
     # b's second block is its own (it will hold 99, 98 too); the copy fills its first two slots.
-    assert kv_copy == KVCopy(a.block_table[1], b.block_table[1], 2)
+    assert kv_copies == [KVCopy(a.block_table[1], b.block_table[1], 2)]
     assert b.block_table[1] != a.block_table[1] and b.num_computed_tokens == 6
     assert bm.blocks[a.block_table[1]].ref_count == 1  # the source is only read, not shared
     bm.check_invariants()

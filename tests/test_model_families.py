@@ -205,11 +205,12 @@ def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, toke
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3", "phi4-partial-rotary", "granite", "gemma2", "gemma3", "olmo2",
-                                    "qwen2_moe", "olmoe", "mistral-sliding"])
+                                    "qwen2_moe", "olmoe", "mistral-sliding", "gemma3-sliding"])
 def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokenizer, tmp_path):
     # Each rank reads its own query/key/value heads and MLP columns: from the fused Phi-3 tensors by
     # offset, Qwen3's head norms whole, and Granite's residual multiplier folded into each rank's rows.
-    config = SLIDING["mistral"] if family == "mistral-sliding" else FAMILIES[family]  # the workers' masks too
+    # The workers' sliding masks too, and (gemma3-sliding) their sliding layer's own KV pool.
+    config = SLIDING[family.removesuffix("-sliding")] if family.endswith("-sliding") else FAMILIES[family]
     model = write_tiny_model(config(tiny_config_args(tokenizer)), tokenizer, tmp_path)
     engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  tensor_parallel_size=2))

@@ -59,10 +59,10 @@ def test_prefix_kv_copies_read_every_source_before_writing():
     for i, (table, kv_copy) in enumerate([([0, 2], KVCopy(1, 2, 3)), ([5, 3], KVCopy(2, 3, 2))]):
         seq = Sequence(f"r{i}", list(range(8)), SamplingParams())
         seq.block_table, seq.num_computed_tokens = table, 4 + kv_copy.num_tokens
-        items.append(ScheduledSeq(seq, 8 - seq.num_computed_tokens, kv_copy))
+        items.append(ScheduledSeq(seq, 8 - seq.num_computed_tokens, [kv_copy]))
     host, _ = build_host_step(items, bs)
     assert host.kv_copy_src.tolist() == [4, 5, 6, 8, 9] and host.kv_copy_dst.tolist() == [8, 9, 10, 12, 13]
-    copy_kv_slots(pools, to_device(host, torch.device("cpu")).kv_copy)
+    copy_kv_slots(pools, to_device(host, torch.device("cpu")))
     for (k, v), (k0, v0) in zip(pools, before):
         for pool, old in ((k, k0), (v, v0)):
             assert torch.equal(pool[:, 2, :3], old[:, 1, :3]) and torch.equal(pool[:, 2, 3], old[:, 2, 3])
@@ -76,3 +76,26 @@ def test_a_step_without_copies_has_none():
         item.seq.block_table = [3 * i, 3 * i + 1, 3 * i + 2]
     host, _ = build_host_step(decodes, 4)
     assert len(host.kv_copy_src) == 0 and to_device(host, torch.device("cpu")).kv_copy is None
+
+
+def test_the_sliding_layers_own_pool_gets_its_own_slots_tables_and_copies():
+    # Layer 0 attends to everything (6 blocks), layer 1 slides with a pool of its own (3 blocks): each
+    # copy lands in its own pool's layers, and the sliding metadata carries that pool's slots and tables.
+    bs = 4
+    pools = [(torch.randn(2, 6, bs, 8), torch.randn(2, 6, bs, 8)), (torch.randn(2, 3, bs, 8), torch.randn(2, 3, bs, 8))]
+    before = [(k.clone(), v.clone()) for k, v in pools]
+    seq = Sequence("r", list(range(10)), SamplingParams())
+    seq.block_table, seq.window_block_table, seq.num_computed_tokens = [4, 5, 1], [-1, 2, 0], 6
+    copies = [KVCopy(3, 5, 2), KVCopy(1, 2, 2, window=True)]
+    host, _ = build_host_step([ScheduledSeq(seq, 4, copies)], bs, window=2, window_pool=True)
+    assert host.slot_mapping.tolist() == [22, 23, 4, 5] and host.window_slot_mapping.tolist() == [10, 11, 0, 1]
+    step = to_device(host, torch.device("cpu"))
+    assert step.meta.slot_mapping.tolist() == [22, 23, 4, 5] and step.meta.sliding.slot_mapping.tolist() == [10, 11, 0, 1]
+    assert step.meta.prefill.block_tables.tolist() == [[4, 5, 1]]
+    assert step.meta.sliding.prefill.block_tables.tolist() == [[0, 2, 0]]  # -1: behind the window, masked
+    assert not step.meta.sliding.prefill.mask[0, 0, 0, :4].any()
+    copy_kv_slots(pools, step, [False, True])
+    for pool, old in ((pools[0][0], before[0][0]), (pools[0][1], before[0][1])):
+        assert torch.equal(pool[:, 5, :2], old[:, 3, :2]) and torch.equal(pool[:, 2], old[:, 2])
+    for pool, old in ((pools[1][0], before[1][0]), (pools[1][1], before[1][1])):
+        assert torch.equal(pool[:, 2, :2], old[:, 1, :2]) and torch.equal(pool[:, 2, 2:], old[:, 2, 2:])

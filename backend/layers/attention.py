@@ -78,7 +78,8 @@ class AttentionMetadata:
     cpu_kernels: bool = False  # decodes and the layers' elementwise ops through our C++ CPU kernels (cpu_kernels.py)
     rope_cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim]: looked up once per step, not per layer
     rope_sin: torch.Tensor | None = None
-    # For a model's sliding-window layers: the same step, each group's mask limited to the window.
+    # For a model's sliding-window layers: the same step, each group's mask limited to the window (and,
+    # where their K/V have a pool of their own, that pool's slots and block tables: window_pool.py).
     sliding: "AttentionMetadata | None" = None
     # (cos, sin) as rope_cos / rope_sin for sliding layers that rotate by frequencies of their own (Gemma 3).
     local_rope: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -167,6 +167,16 @@ def kv_release_window(cfg, max_position: int) -> int | None:
     return window if window is not None and all(sliding_layers(cfg)) else None
 
 
+def window_pool_layers(cfg, max_position: int) -> list[bool] | None:
+    """Per layer, whether its K/V live in the window pool (window_pool.py): the sliding layers of a model
+    where other layers attend to the whole sequence. None when there is no such mix (one pool; when every
+    layer slides, that pool frees what is behind the window itself)."""
+    sliding = sliding_layers(cfg)
+    if attention_window(cfg, max_position) is None or all(sliding):
+        return None
+    return sliding
+
+
 def exact_context_limit(cfg) -> tuple[int, str] | None:
     """The longest sequence (prompt + output) over which this module computes what the model does, and why
     it stops there; None: no limit besides max_position_embeddings.

@@ -39,7 +39,7 @@ from ..layers.rotary import RotaryEmbedding, rope_by_layer_type
 from ..tensor_parallel import SINGLE, TPShard
 from .decoder_stack import DecoderStack
 from .families import (HEAD_NORM_MODEL_TYPES, PROJECTION_NORM_MODEL_TYPES, FamilyVariant, MoeSpec, attention_window,
-                       check_supported, kv_release_window, sliding_layers)
+                       check_supported, kv_release_window, sliding_layers, window_pool_layers)
 from .mlp import GatedMLP
 from .moe import SparseMoeMLP
 
@@ -92,14 +92,16 @@ class LlamaAttention(nn.Module):
                 qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
         k_cache, v_cache = kv_cache
         cos, sin = meta.local_rope if self.local_rope else (meta.rope_cos, meta.rope_sin)
+        # A sliding layer's masks, and its slots and block tables where its K/V have a pool of their own.
+        layer_meta = meta.sliding if self.sliding else meta
         if meta.cpu_kernels:  # rotary + KV write in one pass
-            q = cpu_kernels.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
+            q = cpu_kernels.rope_write_kv(qkv, cos, sin, k_cache, v_cache, layer_meta.slot_mapping,
                                           self.num_heads, self.num_kv_heads)
         else:
             qk = self.rotary.apply(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-            write_kv(k_cache, v_cache, k, qkv[:, self.num_heads + self.num_kv_heads:], meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta.sliding if self.sliding else meta, self.scale, self.softcap)
+            write_kv(k_cache, v_cache, k, qkv[:, self.num_heads + self.num_kv_heads:], layer_meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, layer_meta, self.scale, self.softcap)
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
 
     def _projection_norm(self, heads: torch.Tensor, norm: RMSNorm, width: int) -> torch.Tensor:
@@ -179,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
         sliding = sliding_layers(cfg)
         self.attention_window = attention_window(cfg, max_position)
         self.kv_release_window = kv_release_window(cfg, max_position)  # the scheduler frees blocks behind it
+        self.window_pool_layers = window_pool_layers(cfg, max_position)  # sliding layers with a pool of their own
         moe = MoeSpec.of(cfg)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, self.head_dim, self.rotary, tp, self.variant, sliding[i] and bool(self.attention_window),
