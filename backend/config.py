@@ -33,6 +33,7 @@ class EngineConfig:
     # Models that mix sliding and full layers (Gemma 2 and 3, OLMo 3): the sliding layers' K/V in a pool
     # of their own, freed behind the window (window_pool.py); false: one pool that keeps every layer's
     window_pool: bool = True
+    num_window_kv_blocks: int = 0  # the window pool's blocks (0: room for max_num_seqs windows, at most num_kv_blocks)
     kv_window: int = 0  # recent-window KV pruning: keep this many recent tokens (0: off)
     kv_window_ratio: float = 0.0  # ... or this fraction of the prompt (0: off)
     kv_sink_tokens: int = 4
@@ -71,6 +72,8 @@ class EngineConfig:
             positive(name)
         if self.num_kv_blocks < 0:
             raise ConfigError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")
+        if self.num_window_kv_blocks < 0:
+            raise ConfigError(f"num_window_kv_blocks must be >= 0, got {self.num_window_kv_blocks}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.kv_window < 0 or not 0.0 <= self.kv_window_ratio < 1.0:

@@ -174,10 +174,20 @@ class ModelRunner:
                 f"{self.window_kv_bytes_per_token} bytes/token, at most {self.window_blocks_per_seq} a sequence)")
 
     def _window_pool_blocks(self, num_blocks: int) -> int:
-        """The window pool's size beside a main pool of `num_blocks`: room for max_num_seqs sequences'
-        windows, and never more blocks than the main pool (no sequence needs more there than there)."""
+        """The window pool's size beside `num_blocks` (one pool of every layer would have as many): what
+        num_window_kv_blocks says, else room for max_num_seqs sequences' windows, never more than
+        `num_blocks` (no sequence holds more blocks there than in the main pool). So by default no
+        workload fits fewer sequences than in one pool; where memory is short of max_num_seqs windows,
+        the pools are then as one pool would be, and a smaller num_window_kv_blocks trades sequences
+        shorter than the window for more long ones."""
         if not self.window_blocks_per_seq:
             return 0
+        if self.config.num_window_kv_blocks:
+            if self.config.num_window_kv_blocks < self.window_blocks_per_seq:
+                raise RuntimeError(f"num_window_kv_blocks={self.config.num_window_kv_blocks} cannot hold one sequence's "
+                                   f"window: at least {self.window_blocks_per_seq} blocks (sliding_window "
+                                   f"{self.model.attention_window} + max_num_batched_tokens, in blocks, and one at each end)")
+            return self.config.num_window_kv_blocks
         return min(self.config.max_num_seqs * self.window_blocks_per_seq, num_blocks)
 
     def _blocks_from_memory(self) -> tuple[int, int]:
@@ -203,7 +213,11 @@ class ModelRunner:
                                f"{budget} bytes give {blocks} KV blocks, {need} needed")
         window_blocks = self._window_pool_blocks(int(blocks))
         budget -= window_blocks * self.block_size * self.window_kv_bytes_per_token * ranks
-        return int(budget // (self.block_size * self.kv_bytes_per_token * ranks)), window_blocks
+        blocks = budget // (self.block_size * self.kv_bytes_per_token * ranks)
+        if blocks < need:
+            raise RuntimeError(f"not enough memory for one sequence of max_model_len={self.max_model_len} beside "
+                               f"num_window_kv_blocks={window_blocks}: {blocks} KV blocks left, {need} needed")
+        return int(blocks), window_blocks
 
     # ---- inputs ------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:

@@ -210,3 +210,15 @@ def test_the_memory_the_window_pool_saves_goes_to_the_full_layers(gemma3):
     # The sliding layer's blocks beyond max_num_seqs windows went to the full layer's pool.
     assert two_pools.num_blocks == 2 * one_pool.num_blocks - two_pools.num_window_blocks
     assert two_pools.max_concurrency == pytest.approx(one_pool.max_concurrency * two_pools.num_blocks / one_pool.num_blocks)
+
+
+def test_the_window_pool_size_can_be_set_and_must_hold_one_sequences_window(gemma3):
+    folder, _ = gemma3
+    config = EngineConfig(model=str(folder), kv_cache_max_bytes=8 << 20, max_model_len=256, max_num_seqs=4,
+                          max_num_batched_tokens=64, warmup=False)
+    default = Engine(config).runner
+    smaller = Engine(config.replace(num_window_kv_blocks=12)).runner
+    assert smaller.num_window_blocks == 12
+    assert smaller.num_blocks == default.num_blocks + default.num_window_blocks - 12  # one layer each
+    with pytest.raises(RuntimeError, match="num_window_kv_blocks=7 cannot hold one sequence's window: at least 8"):
+        Engine(config.replace(num_window_kv_blocks=7))
