@@ -28,6 +28,10 @@ from typing import NamedTuple
 from .sequence import Sequence
 
 
+# The Sequence attributes holding a sequence's block table in the main pool and in the window pool.
+MAIN_TABLE, WINDOW_TABLE = "block_table", "window_block_table"
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
 
@@ -81,7 +85,7 @@ class BlockManager:
     """Hands out KV blocks, keeps per-sequence block tables and the prefix cache."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 watermark: float = 0.01, window: int | None = None, table: str = "block_table"):
+                 watermark: float = 0.01, window: int | None = None, table: str = MAIN_TABLE):
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         self.num_blocks = num_blocks
@@ -227,7 +231,7 @@ class BlockManager:
         if not match.partial_tokens:
             return []
         return [KVCopy(match.partial_block, table[len(match.blocks)], match.partial_tokens,
-                       window=self.table != "block_table")]
+                       window=self.table == WINDOW_TABLE)]
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` can hold `num_tokens` tokens in total."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .block_manager import BlockManager, KVCopy, PrefixMatch, extend_block_hashes
+from .block_manager import WINDOW_TABLE, BlockManager, KVCopy, PrefixMatch, extend_block_hashes
 from .sequence import Sequence
 
 
@@ -50,7 +50,7 @@ class WindowPoolBlockManager:
                  enable_prefix_caching: bool = True):
         self.main = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.window = BlockManager(num_window_blocks, block_size, enable_prefix_caching, window=window,
-                                   table="window_block_table")
+                                   table=WINDOW_TABLE)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
 
