@@ -22,8 +22,11 @@ its end are cached, whatever became of the ones behind it: their table slots are
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import numpy as np
 
 from .sequence import Sequence
 
@@ -192,10 +195,40 @@ class BlockManager:
         return max(num_computed_tokens - self.window, 0) // self.block_size if self.window else 0
 
     # ---- allocation -------------------------------------------------------------------------
-    def can_allocate(self, match: PrefixMatch, num_tokens: int) -> bool:
-        """Whether a waiting sequence can get blocks for `num_tokens` tokens, reusing `match`."""
+    def can_allocate(self, match: PrefixMatch, num_tokens: int, growth: Iterable[tuple[int, int]] = ()) -> bool:
+        """Whether a waiting sequence can get blocks for `num_tokens` tokens, reusing `match`, with blocks
+        left for `growth`: sequences (running ones and this one) expected to go from holding the first
+        number of tokens to the second (growth_estimate.py)."""
         new = max(self.blocks_for(num_tokens) - len(match.blocks), 0)
-        return self._revived(match) + new <= self.num_free_blocks - self._watermark_blocks
+        return self._revived(match) + new + self.peak_growth(growth) <= self.num_free_blocks - self._watermark_blocks
+
+    def peak_growth(self, growth: Iterable[tuple[int, int]]) -> int:
+        """The most blocks, beyond those they hold now, that sequences growing by a token a step need at
+        once, each freeing its blocks when it has grown to its expected size (`growth`: (tokens held,
+        tokens expected) each). Sequences end at different times, so the peak is below the sum of their
+        growths: it comes just before one of them ends, when the ones that end later have grown as much."""
+        growth = np.array(list(growth), dtype=np.int64).reshape(-1, 2)
+        held, steps = growth[:, 0], growth[:, 1] - growth[:, 0]
+        ends = np.unique(steps[steps > 0])  # the moments that can be a peak
+        if not len(ends):
+            return 0
+        at_end = self._most_live_blocks(held[:, None] + ends[None, :])  # [sequence, moment]
+        at_end[steps[:, None] < ends[None, :]] = 0  # ended before that moment: its blocks are back
+        held_now = sum(self._live_blocks(int(n)) for n in held)
+        return max(int(at_end.sum(axis=0).max()) - held_now, 0)
+
+    def _most_live_blocks(self, num_tokens: np.ndarray) -> np.ndarray:
+        """The most blocks a sequence holds on its way to `num_tokens` tokens. Without a window that is
+        its blocks then (so the peak is exact); inside a window the count steps between two values as
+        blocks fill and fall behind it: the higher one is taken, one block more than held at most."""
+        live = -(-num_tokens // self.block_size)
+        if self.window:
+            live = np.minimum(live, -(-self.window // self.block_size) + 1)
+        return live
+
+    def _live_blocks(self, num_tokens: int) -> int:
+        """The blocks a sequence of `num_tokens` tokens holds: all of them, or with a window the ones inside it."""
+        return self.blocks_for(num_tokens) - self.first_attended_block(num_tokens)
 
     def _revived(self, match: PrefixMatch) -> int:
         return sum(1 for b in match.blocks if b >= 0 and self.blocks[b].ref_count == 0)

@@ -38,6 +38,10 @@ class EngineConfig:
     kv_window_ratio: float = 0.0  # ... or this fraction of the prompt (0: off)
     kv_sink_tokens: int = 4
     scheduling_policy: str = "fcfs"
+    # true: admission holds back the KV blocks that running sequences are certain to need at their peak
+    # (outputs of ignore_eos or min_tokens), so that none of them is preempted: steadier streams, fewer
+    # sequences at once (scheduler.py; docs/PERFORMANCE.md "Admission"); false: admit whatever fits now (vLLM's)
+    reserve_known_growth: bool = False
     max_queue_size: int = 0  # 0: unbounded waiting queue
     # Streamed responses carry at least this many new tokens (the first and the last excepted); a
     # request's `stream_interval` can raise it (vLLM's). Fewer responses cost less CPU per token.

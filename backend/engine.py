@@ -74,7 +74,7 @@ class Engine:
                                               window=model.kv_release_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.kv_window,
-                                   config.kv_window_ratio, config.kv_sink_tokens)
+                                   config.kv_window_ratio, config.kv_sink_tokens, config.reserve_known_growth)
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _StreamState] = {}
         self._add_lock = threading.Lock()  # add_request may be called from other threads

@@ -4,7 +4,10 @@ Every step first gives each running sequence its next token (a decode, or the ne
 prompt that did not fit earlier), then fills what is left of the token budget with prompt
 chunks of waiting sequences, in the order the policy says. Prefill and decode share one forward.
 When KV blocks run out, the most recently admitted running sequence is preempted: its blocks
-are freed and it is recomputed later (greedy output is unchanged by that).
+are freed and it is recomputed later (greedy output is unchanged by that). With
+`reserve_known_growth`, preemption is avoided where the future is known: a waiting sequence is
+admitted only if the blocks also hold, at their peak, the outputs that the running sequences and it
+are certain to produce (`_known_growth`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager | WindowPoolBlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs", kv_window: int = 0,
-                 kv_window_ratio: float = 0.0, kv_sink_tokens: int = 0):
+                 kv_window_ratio: float = 0.0, kv_sink_tokens: int = 0, reserve_known_growth: bool = False):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -57,6 +60,7 @@ class Scheduler:
         self.waiting: list[tuple[tuple, Sequence]] = []  # sorted by policy key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.reserve_known_growth = reserve_known_growth
 
     # ---- queues ----------------------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple:
@@ -137,6 +141,7 @@ class Scheduler:
         # A sibling completion whose prompt is still being computed by its lead is passed over (not
         # blocking the queue): next step it reuses the lead's prompt blocks.
         now = time.time()
+        growth = self._known_growth(scheduled) if self.waiting and not num_preempted else []
         i = 0
         while i < len(self.waiting) and budget > 0 and not num_preempted and len(self.running) < self.max_num_seqs:
             _, seq = self.waiting[i]
@@ -146,14 +151,18 @@ class Scheduler:
             match = bm.match_prefix(seq)
             num_cached = match.num_tokens
             num_new = min(seq.num_tokens - num_cached, budget)
-            if not bm.can_allocate(match, num_cached + num_new):
-                if not self.running and not scheduled:
-                    # Even an empty pool cannot take this chunk: shrink it to what fits.
+            held = num_cached + num_new
+            if not self.running and not scheduled:
+                # Nothing runs, so nothing is held back; if even an empty pool cannot take this
+                # chunk, shrink it to what fits.
+                if not bm.can_allocate(match, held):
                     num_new = min(num_new, bm.new_tokens_that_fit(match))
-                    if num_new <= 0 or not bm.can_allocate(match, num_cached + num_new):
+                    held = num_cached + num_new
+                    if num_new <= 0 or not bm.can_allocate(match, held):
                         break
-                else:
-                    break
+            elif not bm.can_allocate(match, held, growth + self._known_growth_of(seq, held)):
+                break
+            growth += self._known_growth_of(seq, held)
             self.waiting.pop(i)
             kv_copies = bm.allocate(seq, match, num_cached + num_new)
             seq.status = SequenceStatus.RUNNING
@@ -164,6 +173,25 @@ class Scheduler:
             budget -= num_new
 
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_preempted)
+
+    def _known_growth(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, int]]:
+        """(tokens held, tokens certain to be held) of each running sequence (see `_known_growth_of`)."""
+        held = {id(item.seq): item.seq.num_computed_tokens + item.num_new_tokens for item in scheduled}
+        return [g for seq in self.running for g in self._known_growth_of(seq, held.get(id(seq), seq.num_computed_tokens))]
+
+    def _known_growth_of(self, seq: Sequence, held: int) -> list[tuple[int, int]]:
+        """What a sequence holding `held` tokens' K/V is certain to grow to: the rest of its prompt and the
+        outputs it must produce, every one up to max_tokens (or max_model_len) with ignore_eos, else up
+        to min_tokens. Longer outputs are a guess, and holding blocks back for a guess costs concurrency
+        (docs/PERFORMANCE.md, "Admission"). Under recent-window pruning a sequence holds a window's
+        blocks whatever its length: nothing is held back."""
+        if not self.reserve_known_growth or self.kv_window or self.kv_window_ratio:
+            return []
+        outputs = seq.params.min_tokens
+        if seq.params.ignore_eos:
+            outputs = seq.params.max_tokens if seq.params.max_tokens is not None else self.max_model_len
+        known = min(seq.num_prompt_tokens + max(outputs, seq.num_output_tokens), self.max_model_len)
+        return [(held, known)] if known > held else []
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -18,6 +18,7 @@ never read what is freed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .block_manager import WINDOW_TABLE, BlockManager, KVCopy, PrefixMatch, extend_block_hashes
@@ -102,8 +103,10 @@ class WindowPoolBlockManager:
                 match.partial_block = None
         return PoolMatches(main, window)
 
-    def can_allocate(self, match: PoolMatches, num_tokens: int) -> bool:
-        return self.main.can_allocate(match.main, num_tokens) and self.window.can_allocate(match.window, num_tokens)
+    def can_allocate(self, match: PoolMatches, num_tokens: int, growth: Iterable[tuple[int, int]] = ()) -> bool:
+        growth = list(growth)
+        return (self.main.can_allocate(match.main, num_tokens, growth)
+                and self.window.can_allocate(match.window, num_tokens, growth))
 
     def new_tokens_that_fit(self, match: PoolMatches) -> int:
         return min(self.main.new_tokens_that_fit(match.main), self.window.new_tokens_that_fit(match.window))

@@ -188,3 +188,52 @@ def test_an_evicted_block_is_no_longer_a_partial_match():
     assert bm.match_prefix(seq([0, 1, 2, 3, 4, 5, 60], "probe")).num_tokens == 0
     assert not bm._by_leading_tokens or all(bm.blocks[b].hash is not None for b in bm._by_leading_tokens.values())
     bm.check_invariants()
+
+
+def exact_peak_growth(bm: BlockManager, growth: list[tuple[int, int]]) -> int:
+    """Step by step: at step T each sequence not yet ended holds min(held + T, expected) tokens' blocks."""
+    held_now = sum(bm._live_blocks(held) for held, _ in growth)
+    last = max((expected - held for held, expected in growth), default=0)
+    return max([0] + [sum(bm._live_blocks(held + t) for held, expected in growth if expected - held >= t) - held_now
+                      for t in range(1, last + 1)])
+
+
+def test_peak_growth_is_the_most_blocks_needed_at_once_not_the_sum_of_growths():
+    # Blocks of 4. Two sequences hold 8 tokens (2 blocks) each: `a` grows to 48 tokens (10 more blocks),
+    # `b` to 16 (2 more). `b` ends first and frees its 2 blocks; the peak is `a` at 48 tokens alone:
+    # 12 blocks against the 4 both hold now, 8 more (not 12).
+    bm = BlockManager(100, 4)
+    assert bm.peak_growth([(8, 48), (8, 16)]) == 8
+    assert bm.peak_growth([(8, 48)]) == 10
+    assert bm.peak_growth([(8, 8), (8, 16)]) == 0  # `a` is done: its blocks are back before `b` needs more
+    assert bm.peak_growth([]) == 0
+    # With a window of 8 tokens a sequence never holds more than 3 blocks.
+    assert BlockManager(100, 4, window=8).peak_growth([(8, 48)]) == 1
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_peak_growth_is_the_step_by_step_peak(window):
+    # Exact without a window; with one, at most a block per sequence more (the upper of the two counts
+    # a sequence steps between inside its window).
+    import random
+    rng = random.Random(0)
+    bm = BlockManager(100, 4, window=window)
+    for _ in range(300):
+        growth = []
+        for _ in range(rng.randint(1, 8)):
+            held = rng.randint(0, 40)
+            growth.append((held, held + rng.choice([0, rng.randint(1, 60)])))
+        exact = exact_peak_growth(bm, growth)
+        if window:
+            assert exact <= bm.peak_growth(growth) <= exact + len(growth), growth
+        else:
+            assert bm.peak_growth(growth) == exact, growth
+
+
+def test_can_allocate_keeps_the_peak_growth_free():
+    bm = BlockManager(14, 4, watermark=0.0)
+    seq = Sequence("s", list(range(1, 9)), SamplingParams())
+    match = bm.match_prefix(seq)
+    assert bm.can_allocate(match, 8, [(8, 48)])  # 2 blocks now + 10 later = 12 of 14
+    assert bm.can_allocate(match, 8, [(8, 48), (8, 24)])  # growths of 10 + 4 blocks, but 8 at the peak
+    assert not bm.can_allocate(match, 8, [(8, 48), (8, 48)])  # ending together: 20 at the peak

@@ -158,6 +158,24 @@ def test_tiny_pool_preempts_and_still_gives_identical_outputs(engine, model_dir)
     tiny.block_manager.check_invariants()
 
 
+def test_tiny_pool_holding_back_known_outputs_preempts_nothing_and_gives_identical_outputs(engine, model_dir):
+    prompts = [p for p in CHAT_PROMPTS + PLAIN_PROMPTS if len(p) < 200]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    ref = [o.token_ids for o in engine.generate(prompts, params)]
+    # The pool of the test above; with their lengths known, sequences wait instead of being preempted.
+    tiny = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=40, max_model_len=640, reserve_known_growth=True,
+                               enable_prefix_caching=False, warmup=False))
+    peak = 0
+    seqs = [tiny._seqs[tiny.add_request(p, params)] for p in prompts]
+    while tiny.has_unfinished():
+        tiny.step()
+        peak = max(peak, tiny.block_manager.num_used_blocks)
+    assert tiny.scheduler.num_preemptions == 0
+    assert [q.output_token_ids for q in seqs] == ref
+    assert 30 <= peak <= 40 and tiny.block_manager.num_used_blocks == 0  # the pool was used, never overrun
+    tiny.block_manager.check_invariants()
+
+
 def test_sampling_with_a_seed_is_reproducible(engine):
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     a = greedy(engine, ["Once upon a time"], **params.__dict__)[0].token_ids

@@ -133,3 +133,66 @@ def test_a_sibling_completion_waits_for_its_lead_prompt_without_holding_up_the_q
     fourth = run_step(s)  # the lead's prompt is in the cache: its 5 full blocks serve the sibling
     [admitted] = [it for it in fourth.scheduled if it.seq is sibling]
     assert sibling.num_cached_prompt_tokens == 20 and admitted.num_new_tokens == 2
+
+
+def test_admission_holds_blocks_back_for_outputs_of_known_length():
+    # 12 blocks of 4 tokens. `a` runs with 40 more tokens to go; `b` (one block now) fits today, but
+    # not beside both outputs at their peak when both run to max_tokens (ignore_eos). Outputs that may
+    # stop at EOS are not held back for (as vLLM does), nor any with reserve_known_growth off.
+    for ignore_eos, reserve, num_blocks, admitted in ((True, True, 12, False), (False, True, 12, True),
+                                                      (True, False, 12, True), (True, True, 64, True)):
+        s = make(num_blocks=num_blocks, budget=100, reserve_known_growth=reserve)
+        params = SamplingParams(max_tokens=40, ignore_eos=ignore_eos)
+        a, b = Sequence("a", [1, 2, 3, 4], params), Sequence("b", [5, 6, 7, 8], params)
+        s.add(a)
+        run_step(s)  # nothing ran: `a` is let in without holding anything back
+        s.add(b)
+        out = run_step(s)
+        assert (b in s.running) is admitted, (ignore_eos, reserve, num_blocks)
+        assert [it.seq for it in out.scheduled] == ([a, b] if admitted else [a])
+
+
+def test_min_tokens_is_known_growth_too():
+    s = make(num_blocks=12, budget=100, reserve_known_growth=True)
+    params = SamplingParams(max_tokens=40, min_tokens=40)
+    a, b = Sequence("a", [1, 2, 3, 4], params), Sequence("b", [5, 6, 7, 8], params)
+    s.add(a)
+    run_step(s)
+    s.add(b)
+    run_step(s)
+    assert b not in s.running
+
+
+def run_to_completion(s: Scheduler, max_steps=5000) -> int:
+    """Steps until every sequence reached its max_tokens (finished there, as the engine does); returns
+    the tokens computed on the way (each prompt once, plus every preempted prefix again)."""
+    computed = 0
+    for _ in range(max_steps):
+        computed += run_step(s).num_batched_tokens
+        for q in [q for q in s.running if q.num_output_tokens >= q.params.max_tokens]:
+            s.finish(q, FinishReason.LENGTH)
+        if not s.has_work():
+            return computed
+    raise AssertionError(f"not done in {max_steps} steps")
+
+
+def test_known_long_outputs_in_short_memory_are_not_preempted_over_and_over():
+    # 16 sequences of 8 + 120 tokens (ignore_eos; no prefix in common), all at once, in 96 blocks
+    # (384 tokens: three finished sequences). Admitting whatever fits lets all 16 in; they grow
+    # together, the newest is preempted, its blocks let the next waiting one in again, and every
+    # preemption recomputes a prefix. Held back for their known lengths, none is preempted.
+    runs = {}
+    for reserve in (False, True):
+        s = make(num_blocks=96, max_seqs=16, budget=64, reserve_known_growth=reserve)
+        params = SamplingParams(max_tokens=120, ignore_eos=True)
+        seqs = [Sequence(f"s{i}", [100 * i + j for j in range(8)], params) for i in range(16)]
+        for q in seqs:
+            s.add(q)
+        computed = run_to_completion(s)
+        assert all(q.num_output_tokens == 120 and q.finish_reason is FinishReason.LENGTH for q in seqs)
+        assert s.block_manager.num_used_blocks == 0
+        s.block_manager.check_invariants()
+        runs[reserve] = (s.num_preemptions, computed)
+    needed = 16 * (8 + 119)  # every token once (the last output token is sampled, never fed)
+    assert runs[False][0] >= 30 and runs[False][1] > 1.5 * needed, runs
+    assert runs[True] == (0, needed), runs
