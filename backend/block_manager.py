@@ -198,7 +198,7 @@ class BlockManager:
     def can_allocate(self, match: PrefixMatch, num_tokens: int, growth: Iterable[tuple[int, int]] = ()) -> bool:
         """Whether a waiting sequence can get blocks for `num_tokens` tokens, reusing `match`, with blocks
         left for `growth`: sequences (running ones and this one) expected to go from holding the first
-        number of tokens to the second (growth_estimate.py)."""
+        number of tokens to the second (the scheduler's `reserve_known_growth`)."""
         new = max(self.blocks_for(num_tokens) - len(match.blocks), 0)
         return self._revived(match) + new + self.peak_growth(growth) <= self.num_free_blocks - self._watermark_blocks
 

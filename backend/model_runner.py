@@ -303,8 +303,11 @@ class ModelRunner:
         if not all(wants_logprob):  # NaN for who did not ask, on every path
             logprobs = [lp if wants else math.nan for lp, wants in zip(logprobs, wants_logprob)]
         if ranking is not None:
+            logprobs = list(logprobs)
             for row, entries in zip(sampling.ranked_rows, top_logprobs(ranking, sampling, ids)):
                 top[row] = entries
+                if wants_logprob[row]:  # the same number as its top entry, not the fused head's own sum
+                    logprobs[row] = entries[0][1]
         return ids, logprobs, top
 
     def _greedy_tokens_screened(self, rows: torch.Tensor, wants_logprob: list[bool]) -> tuple[list[int], list[float]]:

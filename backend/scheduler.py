@@ -153,8 +153,8 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_cached, budget)
             held = num_cached + num_new
             if not self.running and not scheduled:
-                # Nothing runs, so nothing is held back; if even an empty pool cannot take this
-                # chunk, shrink it to what fits.
+                # Nothing runs, so nothing is held back for this one; if even an empty pool cannot
+                # take this chunk, shrink it to what fits.
                 if not bm.can_allocate(match, held):
                     num_new = min(num_new, bm.new_tokens_that_fit(match))
                     held = num_cached + num_new
@@ -162,7 +162,7 @@ class Scheduler:
                         break
             elif not bm.can_allocate(match, held, growth + self._known_growth_of(seq, held)):
                 break
-            growth += self._known_growth_of(seq, held)
+            growth += self._known_growth_of(seq, held)  # what those admitted after it leave room for
             self.waiting.pop(i)
             kv_copies = bm.allocate(seq, match, num_cached + num_new)
             seq.status = SequenceStatus.RUNNING
@@ -176,6 +176,8 @@ class Scheduler:
 
     def _known_growth(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, int]]:
         """(tokens held, tokens certain to be held) of each running sequence (see `_known_growth_of`)."""
+        if not self.reserve_known_growth:
+            return []
         held = {id(item.seq): item.seq.num_computed_tokens + item.num_new_tokens for item in scheduled}
         return [g for seq in self.running for g in self._known_growth_of(seq, held.get(id(seq), seq.num_computed_tokens))]
 

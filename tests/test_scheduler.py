@@ -196,3 +196,14 @@ def test_known_long_outputs_in_short_memory_are_not_preempted_over_and_over():
     needed = 16 * (8 + 119)  # every token once (the last output token is sampled, never fed)
     assert runs[False][0] >= 30 and runs[False][1] > 1.5 * needed, runs
     assert runs[True] == (0, needed), runs
+
+
+def test_sequences_admitted_in_one_step_leave_room_for_each_other():
+    # Nothing runs: the first is let in whatever it will need, the second only beside the first's growth.
+    s = make(num_blocks=12, budget=100, reserve_known_growth=True)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    a, b = Sequence("a", [1, 2, 3, 4], params), Sequence("b", [5, 6, 7, 8], params)
+    s.add(a)
+    s.add(b)
+    out = run_step(s)
+    assert [it.seq for it in out.scheduled] == [a]
