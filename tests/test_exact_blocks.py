@@ -205,10 +205,14 @@ def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
     head = model.tied_head_packed
     assert head is not None and head.blocks is not None and head.blocks[0].shape[2] == 32  # 8-bit codes
     gen = torch.Generator().manual_seed(0)
-    for p in linears[:8] + [head]:
-        x = torch.randn(BLOCKS_MAX_ROWS, p.in_features, generator=gen)
-        want = cpu_kernels.packed_gemm(x, p.data, None, p.out_features)
-        assert torch.equal(bits(cpu_kernels.block_gemm(x, *p.blocks, None, p.out_features)), bits(want))
+    for rows in (BLOCKS_MAX_ROWS, 64):  # 64: as many as tune_blocks_max_rows may hand them on some CPUs
+        for p in linears[:8] + [head]:
+            x = torch.randn(rows, p.in_features, generator=gen)
+            want = cpu_kernels.packed_gemm(x, p.data, None, p.out_features)
+            assert torch.equal(bits(cpu_kernels.block_gemm(x, *p.blocks, None, p.out_features)), bits(want))
+    # The rows up to which the blocks are read were timed at load; never fewer than the default.
+    assert all(p.blocks_max_rows == linears[0].blocks_max_rows >= BLOCKS_MAX_ROWS for p in linears)
+    assert model.decoder_stack.blocks_max_rows == linears[0].blocks_max_rows
 
 
 @avx512

@@ -16,8 +16,9 @@ streams straight into its FMAs:
   also keeps that form, and GEMMs of up to `BLOCKS_MAX_ROWS` rows read it instead
   (csrc/exact_block_gemm.cpp): the same float32 values, decoded in registers, so the same results bit
   for bit, from 2-5.3x fewer bytes (a step's layer GEMMs at 1 / 4 / 8 rows: Q4_1 2.1-2.8x / 1.5-1.8x /
-  1.1-1.3x faster, bfloat16 1.65x / 1.18x / 0.99x; from ~10 rows the arithmetic, not the stream, sets
-  the pace).
+  1.1-1.3x faster, bfloat16 1.65x / 1.18x / 0.99x on an AMD EPYC VM, where from ~10 rows the
+  arithmetic, not the stream, sets the pace; where that crossover lies is timed at load:
+  `tune_blocks_max_rows`).
 - `onednn`: oneDNN's blocked layout, the primitive torch's own compiler uses when it freezes a CPU
   model's linears; 1.2-2x `F.linear` ([64,576]x[576,960] 157 -> 203 GFLOPS, the LM head
   [64,576]x[576,49152] 96 -> 201). float32 and bfloat16.
@@ -27,6 +28,7 @@ streams straight into its FMAs:
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ from .exact_blocks import find_blocks
 
 logger = logging.getLogger(__name__)
 
-BLOCKS_MAX_ROWS = 8  # the most rows a GEMM on exactly-quantized weights takes their blocks for
+BLOCKS_MAX_ROWS = 8  # the most rows a GEMM on exactly-quantized weights takes their blocks for, unless tuned
 
 
 def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -75,6 +77,7 @@ class PackedWeight:
         self.out_features, self.in_features = weight.shape
         weight = weight.detach().contiguous()
         self.blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes, scales) for block_gemm
+        self.blocks_max_rows = BLOCKS_MAX_ROWS  # GEMMs of up to this many rows read the blocks (tune_blocks_max_rows)
         if exact_blocks and kernel == "avx512":
             found = find_blocks(weight)
             if found is not None:
@@ -92,7 +95,7 @@ class PackedWeight:
 
     def reads_blocks(self, rows: int) -> bool:
         """Whether a GEMM of `rows` rows reads the exact quantized blocks rather than the float32 panels."""
-        return self.blocks is not None and rows <= BLOCKS_MAX_ROWS
+        return self.blocks is not None and rows <= self.blocks_max_rows
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel == "avx512":
@@ -118,6 +121,47 @@ class Linear(nn.Linear):
         if self.packed is not None:
             return self.packed(x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def tune_blocks_max_rows(weights: list[PackedWeight], max_rows: int) -> int:
+    """Up to how many rows this CPU runs a step's GEMMs faster from the exact blocks than from the float32
+    panels, timed once at load on `weights` themselves; sets every weight's `blocks_max_rows` to it.
+
+    The blocks cost decoding in registers and save memory traffic, so where the crossover lies is the
+    machine's: 8 rows on an AMD EPYC VM (2 cores, AVX-512 at half width per cycle), while on an Intel
+    Xeon VM with AMX (full-width FMAs) the blocks still won at 64 rows (a batch-64 decode step of the
+    default model 106 -> 92 ms, batch 32 62 -> 48 ms). Each pass runs every weight once, as a step
+    does, so they come from memory, not from the caches; rows double from BLOCKS_MAX_ROWS while the
+    blocks stay 3 % faster (the better of two alternated passes each). Results are the same bit for
+    bit either way (csrc/exact_block_gemm.cpp): only the speed depends on it.
+    """
+    with_blocks = [w for w in weights if w.blocks is not None]
+    best = BLOCKS_MAX_ROWS
+    rows = 2 * BLOCKS_MAX_ROWS
+    while with_blocks and rows <= max_rows:
+        xs = {w.in_features: torch.randn(rows, w.in_features) for w in with_blocks}
+
+        def one_pass(blocks: bool) -> float:
+            started = time.perf_counter()
+            for w in with_blocks:
+                x = xs[w.in_features]
+                if blocks:
+                    cpu_kernels.block_gemm(x, *w.blocks, None, w.out_features)
+                else:
+                    cpu_kernels.packed_gemm(x, w.data, None, w.out_features)
+            return time.perf_counter() - started
+
+        one_pass(True)  # first touch of this row count's buffers
+        times = {True: [], False: []}
+        for blocks in (True, False, False, True):
+            times[blocks].append(one_pass(blocks))
+        if min(times[True]) > 0.97 * min(times[False]):
+            break
+        best = rows
+        rows *= 2
+    for w in weights:
+        w.blocks_max_rows = best
+    return best
 
 
 def pack_linears(model: nn.Module, kernel: str, batch_hint: int, exact_blocks: bool = False) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from .. import cpu_kernels
 from ..layers.attention import AttentionMetadata, kernel_calls
-from ..layers.linear import BLOCKS_MAX_ROWS, PackedWeight
+from ..layers.linear import PackedWeight
 from .mlp import GatedMLP
 
 
@@ -42,7 +42,8 @@ class DecoderStack:
         packed: list[PackedWeight] = [lin.packed for lin in linears]
         self.biases = [lin.bias for lin in linears]
         self.out_features = [p.out_features for p in packed]
-        # What PackedWeight would read: the float32 panels, or at up to BLOCKS_MAX_ROWS rows the blocks.
+        # What PackedWeight would read: the float32 panels, or at up to blocks_max_rows rows the blocks.
+        self.blocks_max_rows = min(p.blocks_max_rows for p in packed)
         self.panels = ([p.data for p in packed], [None] * len(packed))
         self.blocks = ([p.blocks[0] if p.blocks is not None else p.data for p in packed],
                        [p.blocks[1] if p.blocks is not None else None for p in packed])
@@ -92,7 +93,7 @@ class DecoderStack:
         if self._kv_caches is not kv_caches:
             self._kv_caches = kv_caches
             self._k_caches, self._v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
-        weights, scales = self.blocks if hidden.shape[0] <= BLOCKS_MAX_ROWS else self.panels
+        weights, scales = self.blocks if hidden.shape[0] <= self.blocks_max_rows else self.panels
         starts, ends, tables, masks = zip(*attention)
         return torch.ops.tritonllm.decoder_stack(
             hidden, self.norms, weights, scales, self.biases, self.out_features, self._k_caches, self._v_caches,

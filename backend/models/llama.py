@@ -26,6 +26,8 @@ so within it the outputs are the model's own.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,7 +35,7 @@ from torch import nn
 from .. import cpu_kernels
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
 from ..layers.greedy_screen import GreedyScreen
-from ..layers.linear import Linear, PackedWeight, pack_linears
+from ..layers.linear import Linear, PackedWeight, pack_linears, tune_blocks_max_rows
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_by_layer_type
 from ..tensor_parallel import SINGLE, TPShard
@@ -42,6 +44,8 @@ from .families import (HEAD_NORM_MODEL_TYPES, PROJECTION_NORM_MODEL_TYPES, Famil
                        check_supported, kv_release_window, sliding_layers, window_pool_layers)
 from .mlp import GatedMLP
 from .moe import SparseMoeMLP
+
+logger = logging.getLogger(__name__)
 
 _EXACT_HEAD_MAX_ROWS = 2  # steps of up to this many rows take an exact-block LM head over the greedy screen
 
@@ -260,6 +264,10 @@ class LlamaForCausalLM(nn.Module):
         (with avx512_bf16 and a greedy screen, the screen's bfloat16 copy, which is the same panels).
         """
         pack_linears(self, kernel, batch_hint, exact_blocks)
+        if exact_blocks and kernel == "avx512":
+            layers = [m.packed for m in self.layers.modules() if isinstance(m, Linear)]
+            logger.info("exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
+                        tune_blocks_max_rows(layers, batch_hint))
         self.decoder_stack = DecoderStack.build(self)
         if self.lm_head is None:
             shared = self.greedy_screen.packed if kernel == "avx512_bf16" and self.greedy_screen is not None else None
