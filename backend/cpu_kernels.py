@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 _NAME = "tritonllm_cpu_kernels"
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp",
-             "screened_greedy_head.cpp", "exact_block_gemm.cpp", "decoder_stack.cpp")]
+             "screened_greedy_head.cpp", "exact_block_gemm.cpp", "amx_block_gemm.cpp", "decoder_stack.cpp")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str
@@ -193,6 +193,18 @@ def block_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias:
                out_features: int) -> torch.Tensor:
     """`packed_gemm` on the quantized blocks of the same weight: the same float32 result, bit for bit."""
     return torch.ops.tritonllm.block_gemm(x, codes, scales, bias, out_features)
+
+
+def amx_block_gemm_supported() -> bool:
+    """Whether the AMX GEMM runs here: the kernels built for a CPU with AMX-BF16, and Linux gave this
+    process the tile registers."""
+    return load() and bool(torch.ops.tritonllm.amx_block_gemm_supported())
+
+
+def amx_block_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """`block_gemm`'s weights on AMX tiles: a float32 GEMM's accuracy, not its bits (csrc/amx_block_gemm.cpp)."""
+    return torch.ops.tritonllm.amx_block_gemm(x, codes, scales, bias, out_features)
 
 
 def packed_gemm_bf16_supported() -> bool:

@@ -63,7 +63,7 @@ def load_hf_config(folder: Path):
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_position: int,
                tp: TPShard = SINGLE, cpu_gemm: str = "aten", batch_hint: int = 64,
-               greedy_screen: bool = False, exact_blocks: bool = False) -> LlamaForCausalLM:
+               greedy_screen: bool = False, exact_blocks: bool = False, amx: bool = False) -> LlamaForCausalLM:
     """On a CPU, `cpu_gemm` "avx512", "avx512_bf16" or "onednn" packs the GEMM weights once for that kernel
     (layers/linear.py; oneDNN's layout tuned for `batch_hint` rows), falling back to the next one
     down where it cannot run; "aten", and accelerators, keep the weights as they are.
@@ -73,7 +73,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     `avx512_bf16` it makes the greedy ids those of a float32 head on the same hidden states.
 
     `exact_blocks` (with `avx512`): GEMM weights (linears, LM head) that are exactly quantized blocks (a
-    GGUF Q4_1 / Q8_0 origin, layers/exact_blocks.py) also keep those blocks, which GEMMs of few rows read.
+    GGUF Q4_1 / Q8_0 origin, layers/exact_blocks.py) also keep those blocks, which GEMMs of few rows read;
+    `amx` (with them): on a CPU with AMX-BF16, GEMMs of enough rows run those blocks on AMX tiles.
     """
     cfg = load_hf_config(folder)
     model = LlamaForCausalLM(cfg, max_position, tp)
@@ -95,7 +96,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
         else:
             logger.info("greedy_screen: this CPU or build has no AVX512-BF16; the float32 head takes every row")
     if kernel != "aten":
-        model.pack_for_cpu(kernel, batch_hint, exact_blocks)
+        model.pack_for_cpu(kernel, batch_hint, exact_blocks, amx)
     return model
 
 

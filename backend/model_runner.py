@@ -84,7 +84,7 @@ class ModelRunner:
             self.model = load_model(model_dir, dtype, device, max_position=max_model_len, tp=self.tp,
                                     cpu_gemm=config.cpu_gemm, batch_hint=config.max_num_seqs,
                                     greedy_screen=config.greedy_screen and config.cpu_kernels,
-                                    exact_blocks=config.exact_block_weights)
+                                    exact_blocks=config.exact_block_weights, amx=config.amx_gemm)
             logger.info("loaded %s (%s, %s, tensor-parallel rank 0 of %d) in %.1f s", model_dir, device, dtype,
                         self.tp_size, time.perf_counter() - started)
             m = self.model
@@ -131,7 +131,8 @@ class ModelRunner:
                           device=str(rank_device(self.device, rank)), max_model_len=self.max_model_len,
                           rank=rank, world_size=self.tp_size, num_threads=threads, block_size=self.block_size,
                           cpu_gemm=self.config.cpu_gemm, batch_hint=self.config.max_num_seqs,
-                          cpu_kernels=self.config.cpu_kernels, exact_blocks=self.config.exact_block_weights)
+                          cpu_kernels=self.config.cpu_kernels, exact_blocks=self.config.exact_block_weights,
+                          amx=self.config.amx_gemm)
 
     def _connect_workers(self) -> None:
         self.workers.wait_loaded()

@@ -37,7 +37,7 @@ def serve(conn: Connection) -> None:
     dtype = getattr(torch, spec.dtype)
     tp = TPShard(spec.rank, spec.world_size)
     model = load_model(Path(spec.model_dir), dtype, device, spec.max_model_len, tp, spec.cpu_gemm, spec.batch_hint,
-                       exact_blocks=spec.exact_blocks)
+                       exact_blocks=spec.exact_blocks, amx=spec.amx)
     conn.send("loaded")
     _, store_port, num_blocks, num_window_blocks = conn.recv()
     store = make_store(store_port, spec.world_size, False)

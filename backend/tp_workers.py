@@ -51,6 +51,7 @@ class WorkerSpec:
     batch_hint: int = 64  # rows the packed CPU weights are tuned for (max_num_seqs)
     cpu_kernels: bool = False  # EngineConfig.cpu_kernels
     exact_blocks: bool = False  # EngineConfig.exact_block_weights
+    amx: bool = False  # EngineConfig.amx_gemm
     kv_cache_dtype: str = "float32"  # the pool's torch dtype name (EngineConfig.kv_cache_dtype resolved)
 
 

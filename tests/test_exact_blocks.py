@@ -227,7 +227,7 @@ def test_engine_outputs_equal_with_and_without_the_blocks(model_dir):
     results = {}
     for on in (True, False):
         engine = Engine(EngineConfig(model=str(model_dir), num_threads=2, exact_block_weights=on, num_kv_blocks=256,
-                                     warmup=False))
+                                     warmup=False, amx_gemm=False))  # AMX: other bits (test_amx_block_gemm.py)
         assert (engine.runner.model.tied_head_packed.blocks is not None) is on
         alone = engine.generate(prompts[:1], SamplingParams(max_tokens=16, logprobs=True))
         ids_only = engine.generate(prompts, SamplingParams(max_tokens=16, logprobs=False))

@@ -18,7 +18,11 @@ streams straight into its FMAs:
   for bit, from 2-5.3x fewer bytes (a step's layer GEMMs at 1 / 4 / 8 rows: Q4_1 2.1-2.8x / 1.5-1.8x /
   1.1-1.3x faster, bfloat16 1.65x / 1.18x / 0.99x on an AMD EPYC VM, where from ~10 rows the
   arithmetic, not the stream, sets the pace; where that crossover lies is timed at load:
-  `tune_blocks_max_rows`).
+  `tune_blocks_max_rows`). On CPUs with AMX-BF16, GEMMs of at least `amx_min_rows` rows (timed at
+  load: `tune_amx_min_rows`) run those blocks on AMX tiles instead (csrc/amx_block_gemm.cpp): x split
+  exactly into three bfloat16 parts, the codes exact in bfloat16, sums and scales in float32, so a
+  float32 GEMM's accuracy (not its bits); a step's layer GEMMs at 64 rows 52 -> 34 ms on an Intel
+  Xeon VM.
 - `onednn`: oneDNN's blocked layout, the primitive torch's own compiler uses when it freezes a CPU
   model's linears; 1.2-2x `F.linear` ([64,576]x[576,960] 157 -> 203 GFLOPS, the LM head
   [64,576]x[576,49152] 96 -> 201). float32 and bfloat16.
@@ -78,6 +82,7 @@ class PackedWeight:
         weight = weight.detach().contiguous()
         self.blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes, scales) for block_gemm
         self.blocks_max_rows = BLOCKS_MAX_ROWS  # GEMMs of up to this many rows read the blocks (tune_blocks_max_rows)
+        self.amx_min_rows: int | None = None  # GEMMs of at least this many rows run the blocks on AMX (tune_amx_min_rows)
         if exact_blocks and kernel == "avx512":
             found = find_blocks(weight)
             if found is not None:
@@ -97,9 +102,16 @@ class PackedWeight:
         """Whether a GEMM of `rows` rows reads the exact quantized blocks rather than the float32 panels."""
         return self.blocks is not None and rows <= self.blocks_max_rows
 
+    def runs_amx(self, rows: int) -> bool:
+        """Whether a GEMM of `rows` rows runs the exact blocks on AMX tiles (float32 accuracy, other bits)."""
+        return self.blocks is not None and self.amx_min_rows is not None and rows >= self.amx_min_rows
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel == "avx512":
-            if self.reads_blocks(x.numel() // self.in_features):
+            rows = x.numel() // self.in_features
+            if self.runs_amx(rows):
+                return cpu_kernels.amx_block_gemm(x, *self.blocks, bias, self.out_features)
+            if self.reads_blocks(rows):
                 return cpu_kernels.block_gemm(x, *self.blocks, bias, self.out_features)
             return cpu_kernels.packed_gemm(x, self.data, bias, self.out_features)
         if self.kernel == "avx512_bf16":
@@ -162,6 +174,50 @@ def tune_blocks_max_rows(weights: list[PackedWeight], max_rows: int) -> int:
     for w in weights:
         w.blocks_max_rows = best
     return best
+
+
+def tune_amx_min_rows(weights: list[PackedWeight], max_rows: int) -> int | None:
+    """From how many rows this CPU runs a step's GEMMs on exact blocks faster on AMX tiles than as
+    they run now (blocks or panels), timed once at load on `weights` themselves as
+    `tune_blocks_max_rows` does; sets every weight's `amx_min_rows` to it (None: AMX never paid, or
+    there is none).
+
+    Each call widens the 4-bit or 8-bit codes to bfloat16 tiles once per 32 columns, which few rows do
+    not repay: on an Intel Xeon VM (2 cores) a step's layer GEMMs at 1 / 8 / 16 / 64 rows took 12.0 /
+    12.1 / 14.7 / 34.3 ms on AMX against 6.9 / 12.1 / 16.3 / 52.1 from the blocks. Rows double from 1
+    while AMX is not 3 % faster; the first count where it is becomes the threshold (its lead only
+    grows with the rows).
+    """
+    with_blocks = [w for w in weights if w.blocks is not None]
+    found = None
+    if with_blocks and cpu_kernels.amx_block_gemm_supported():
+        rows = 1
+        while rows <= max_rows:
+            xs = {w.in_features: torch.randn(rows, w.in_features) for w in with_blocks}
+
+            def one_pass(amx: bool) -> float:
+                started = time.perf_counter()
+                for w in with_blocks:
+                    x = xs[w.in_features]
+                    if amx:
+                        cpu_kernels.amx_block_gemm(x, *w.blocks, None, w.out_features)
+                    elif w.reads_blocks(rows):
+                        cpu_kernels.block_gemm(x, *w.blocks, None, w.out_features)
+                    else:
+                        cpu_kernels.packed_gemm(x, w.data, None, w.out_features)
+                return time.perf_counter() - started
+
+            one_pass(True)  # first touch of this row count's buffers
+            times = {True: [], False: []}
+            for amx in (True, False, False, True):
+                times[amx].append(one_pass(amx))
+            if min(times[True]) <= 0.97 * min(times[False]):
+                found = rows
+                break
+            rows *= 2
+    for w in weights:
+        w.amx_min_rows = found
+    return found
 
 
 def pack_linears(model: nn.Module, kernel: str, batch_hint: int, exact_blocks: bool = False) -> int:

@@ -42,8 +42,11 @@ class DecoderStack:
         packed: list[PackedWeight] = [lin.packed for lin in linears]
         self.biases = [lin.bias for lin in linears]
         self.out_features = [p.out_features for p in packed]
-        # What PackedWeight would read: the float32 panels, or at up to blocks_max_rows rows the blocks.
+        # What PackedWeight would read: the float32 panels, at up to blocks_max_rows rows the blocks, or
+        # from amx_min_rows rows the blocks on AMX tiles.
         self.blocks_max_rows = min(p.blocks_max_rows for p in packed)
+        amx_rows = {p.amx_min_rows for p in packed if p.blocks is not None}
+        self.amx_min_rows = amx_rows.pop() if len(amx_rows) == 1 else None
         self.panels = ([p.data for p in packed], [None] * len(packed))
         self.blocks = ([p.blocks[0] if p.blocks is not None else p.data for p in packed],
                        [p.blocks[1] if p.blocks is not None else None for p in packed])
@@ -93,9 +96,11 @@ class DecoderStack:
         if self._kv_caches is not kv_caches:
             self._kv_caches = kv_caches
             self._k_caches, self._v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
-        weights, scales = self.blocks if hidden.shape[0] <= self.blocks_max_rows else self.panels
+        rows = hidden.shape[0]
+        amx = self.amx_min_rows is not None and rows >= self.amx_min_rows
+        weights, scales = self.blocks if amx or rows <= self.blocks_max_rows else self.panels
         starts, ends, tables, masks = zip(*attention)
         return torch.ops.tritonllm.decoder_stack(
-            hidden, self.norms, weights, scales, self.biases, self.out_features, self._k_caches, self._v_caches,
+            hidden, self.norms, weights, scales, self.biases, self.out_features, amx, self._k_caches, self._v_caches,
             meta.rope_cos, meta.rope_sin, meta.slot_mapping, list(starts), list(ends), list(tables), list(masks),
             self.qk_norms, self.whole_projection_norms, self.output_norms, self.scale, self.eps, self.num_heads, self.num_kv_heads)
