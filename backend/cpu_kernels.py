@@ -5,7 +5,8 @@ Paged decode attention that reads K/V in place from the block pool
 RMSNorm, rotary embedding + KV write, SiLU * up (csrc/fused_decoder_ops.cpp), and the greedy head's
 argmax + log-prob in one pass (csrc/greedy_head.cpp); on AVX-512 CPUs the GEMM for the linears,
 weights packed once, in float32 or (opt-in) bfloat16 (csrc/packed_gemm.cpp), and on float32 weights
-that are exactly quantized blocks read as those blocks (csrc/exact_block_gemm.cpp); and the float32
+that are exactly quantized blocks read as those blocks (csrc/exact_block_gemm.cpp), on AMX tiles where
+the CPU has AMX-BF16 (csrc/amx_block_gemm.cpp); and the float32
 greedy head's argmax found through a bfloat16 LM head (csrc/screened_greedy_head.cpp); and a
 Llama-family model's decoder layers in one call over those ops (csrc/decoder_stack.cpp). torch's JIT
 extension builder compiles it with the machine's g++ for the machine's own CPU (-march=native) into
