@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -228,9 +229,13 @@ void run(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float
   const int tile_rows = static_cast<int>(std::min<int64_t>(m, 16));
   const int64_t row_tiles = (m + 15) / 16, padded = row_tiles * 16;
   const int64_t blocks = k / kBlock, block_values = 2 * kBlock * 16;
-  std::vector<uint16_t> parts(static_cast<size_t>(kParts * padded * k), 0);  // zero rows past m
+  // Written by split_rows but for the padding rows past m, zeroed here (a prompt's parts run to megabytes).
+  std::unique_ptr<uint16_t[]> parts_buffer(new uint16_t[static_cast<size_t>(kParts * padded * k)]);
+  uint16_t* parts = parts_buffer.get();
+  for (int p = 0; p < kParts && padded > m; ++p)
+    std::memset(parts + (p * padded + m) * k, 0, sizeof(uint16_t) * (padded - m) * k);
   std::vector<float> block_sums(static_cast<size_t>(padded * blocks), 0.0f);
-  split_rows(x, m, padded, k, parts.data(), block_sums.data(), F::kMin);
+  split_rows(x, m, padded, k, parts, block_sums.data(), F::kMin);
   tritonllm::parallel_claim(panels, tritonllm::grain_for(panels, kClaimsPerThread), [&](tritonllm::ClaimedChunks& items) {
     configure_tiles(tile_rows);
     std::vector<uint16_t> widened(static_cast<size_t>(blocks * block_values + 32));
@@ -252,8 +257,8 @@ void run(const float* x, int64_t m, int64_t k, const uint8_t* codes, const float
             _tile_loadd(7, wb + blk * block_values + kBlock * 16, 64);
             for (int64_t t = 0; t < tiles; t += 2) {
               const int64_t r0 = (t0 + t) * 16;
-              if (t + 1 < tiles) multiply_block<F, 2>(parts.data(), padded, k, r0, blk, ps, block_sums.data(), tile_rows, acc + t * 16);
-              else multiply_block<F, 1>(parts.data(), padded, k, r0, blk, ps, block_sums.data(), tile_rows, acc + t * 16);
+              if (t + 1 < tiles) multiply_block<F, 2>(parts, padded, k, r0, blk, ps, block_sums.data(), tile_rows, acc + t * 16);
+              else multiply_block<F, 1>(parts, padded, k, r0, blk, ps, block_sums.data(), tile_rows, acc + t * 16);
             }
           }
           for (int64_t r = 0; r < tiles * 16 && t0 * 16 + r < m; ++r) {
