@@ -21,7 +21,7 @@ streams straight into its FMAs:
   `tune_blocks_max_rows`). On CPUs with AMX-BF16, GEMMs of at least `amx_min_rows` rows (timed at
   load: `tune_amx_min_rows`) run those blocks on AMX tiles instead (csrc/amx_block_gemm.cpp): x split
   exactly into three bfloat16 parts, the codes exact in bfloat16, sums and scales in float32, so a
-  float32 GEMM's accuracy (not its bits); a step's layer GEMMs at 64 rows 52 -> 34 ms on an Intel
+  float32 GEMM's accuracy (not its bits); a step's layer GEMMs at 64 rows 52 -> 35 ms on an Intel
   Xeon VM.
 - `onednn`: oneDNN's blocked layout, the primitive torch's own compiler uses when it freezes a CPU
   model's linears; 1.2-2x `F.linear` ([64,576]x[576,960] 157 -> 203 GFLOPS, the LM head
@@ -142,33 +142,14 @@ def tune_blocks_max_rows(weights: list[PackedWeight], max_rows: int) -> int:
     The blocks cost decoding in registers and save memory traffic, so where the crossover lies is the
     machine's: 8 rows on an AMD EPYC VM (2 cores, AVX-512 at half width per cycle), while on an Intel
     Xeon VM with AMX (full-width FMAs) the blocks still won at 64 rows (a batch-64 decode step of the
-    default model 106 -> 92 ms, batch 32 62 -> 48 ms). Each pass runs every weight once, as a step
-    does, so they come from memory, not from the caches; rows double from BLOCKS_MAX_ROWS while the
-    blocks stay 3 % faster (the better of two alternated passes each). Results are the same bit for
+    default model 106 -> 92 ms, batch 32 62 -> 48 ms). Rows double from BLOCKS_MAX_ROWS while the
+    blocks stay 3 % faster (`_pays`). Results are the same bit for
     bit either way (csrc/exact_block_gemm.cpp): only the speed depends on it.
     """
     with_blocks = [w for w in weights if w.blocks is not None]
     best = BLOCKS_MAX_ROWS
     rows = 2 * BLOCKS_MAX_ROWS
-    while with_blocks and rows <= max_rows:
-        xs = {w.in_features: torch.randn(rows, w.in_features) for w in with_blocks}
-
-        def one_pass(blocks: bool) -> float:
-            started = time.perf_counter()
-            for w in with_blocks:
-                x = xs[w.in_features]
-                if blocks:
-                    cpu_kernels.block_gemm(x, *w.blocks, None, w.out_features)
-                else:
-                    cpu_kernels.packed_gemm(x, w.data, None, w.out_features)
-            return time.perf_counter() - started
-
-        one_pass(True)  # first touch of this row count's buffers
-        times = {True: [], False: []}
-        for blocks in (True, False, False, True):
-            times[blocks].append(one_pass(blocks))
-        if min(times[True]) > 0.97 * min(times[False]):
-            break
+    while with_blocks and rows <= max_rows and _pays(with_blocks, rows, _block_gemm, _panel_gemm):
         best = rows
         rows *= 2
     for w in weights:
@@ -183,41 +164,57 @@ def tune_amx_min_rows(weights: list[PackedWeight], max_rows: int) -> int | None:
     there is none).
 
     Each call widens the 4-bit or 8-bit codes to bfloat16 tiles once per 32 columns, which few rows do
-    not repay: on an Intel Xeon VM (2 cores) a step's layer GEMMs at 1 / 8 / 16 / 64 rows took 12.0 /
-    12.1 / 14.7 / 34.3 ms on AMX against 6.9 / 12.1 / 16.3 / 52.1 from the blocks. Rows double from 1
-    while AMX is not 3 % faster; the first count where it is becomes the threshold (its lead only
-    grows with the rows).
+    not repay: on an Intel Xeon VM (2 cores) a step's layer GEMMs at 1 / 4 / 16 / 64 rows took 8.7 /
+    9.5 / 12.9 / 34.7 ms on AMX against 7.0 / 11.0 / 16.0 / 52.8 from the blocks. Rows double from 1
+    while AMX is not 3 % faster (`_pays`); the first count where it is becomes the threshold (its lead
+    only grows with the rows).
     """
     with_blocks = [w for w in weights if w.blocks is not None]
     found = None
     if with_blocks and cpu_kernels.amx_block_gemm_supported():
         rows = 1
         while rows <= max_rows:
-            xs = {w.in_features: torch.randn(rows, w.in_features) for w in with_blocks}
+            def now(w: PackedWeight, x: torch.Tensor, rows: int = rows) -> torch.Tensor:
+                return _block_gemm(w, x) if w.reads_blocks(rows) else _panel_gemm(w, x)
 
-            def one_pass(amx: bool) -> float:
-                started = time.perf_counter()
-                for w in with_blocks:
-                    x = xs[w.in_features]
-                    if amx:
-                        cpu_kernels.amx_block_gemm(x, *w.blocks, None, w.out_features)
-                    elif w.reads_blocks(rows):
-                        cpu_kernels.block_gemm(x, *w.blocks, None, w.out_features)
-                    else:
-                        cpu_kernels.packed_gemm(x, w.data, None, w.out_features)
-                return time.perf_counter() - started
-
-            one_pass(True)  # first touch of this row count's buffers
-            times = {True: [], False: []}
-            for amx in (True, False, False, True):
-                times[amx].append(one_pass(amx))
-            if min(times[True]) <= 0.97 * min(times[False]):
+            if _pays(with_blocks, rows, _amx_gemm, now):
                 found = rows
                 break
             rows *= 2
     for w in weights:
         w.amx_min_rows = found
     return found
+
+
+def _panel_gemm(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    return cpu_kernels.packed_gemm(x, w.data, None, w.out_features)
+
+
+def _block_gemm(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    return cpu_kernels.block_gemm(x, *w.blocks, None, w.out_features)
+
+
+def _amx_gemm(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    return cpu_kernels.amx_block_gemm(x, *w.blocks, None, w.out_features)
+
+
+def _pays(weights: list[PackedWeight], rows: int, candidate, current) -> bool:
+    """Whether `candidate(w, x)` is 3 % faster than `current(w, x)` over `rows` rows: each pass runs every
+    weight once, as a step does, so they come from memory, not from the caches; the better of two
+    alternated passes each, after one pass that first touches this row count's buffers."""
+    xs = {w.in_features: torch.randn(rows, w.in_features) for w in weights}
+
+    def one_pass(gemm) -> float:
+        started = time.perf_counter()
+        for w in weights:
+            gemm(w, xs[w.in_features])
+        return time.perf_counter() - started
+
+    one_pass(candidate)
+    times = ([], [])
+    for i in (0, 1, 1, 0):
+        times[i].append(one_pass((candidate, current)[i]))
+    return min(times[0]) <= 0.97 * min(times[1])
 
 
 def pack_linears(model: nn.Module, kernel: str, batch_hint: int, exact_blocks: bool = False) -> int:
