@@ -9,9 +9,11 @@ finalize:   abort what is in flight, send their final responses, stop both threa
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -89,6 +91,9 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
         self._orphan_guard = orphan_guard.start()  # this stub must not outlive tritonserver (orphan_guard.py)
+        # `kill -USR1 <stub pid>` writes every Python thread's stack into the server log: for a model that
+        # stops answering, where its threads wait (the stub's stderr is tritonserver's).
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException(

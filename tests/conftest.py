@@ -45,8 +45,7 @@ def tokenizer(engine):
 
 
 @pytest.fixture(scope="session")
-def triton_server(model_dir, tmp_path_factory):
-    """A real tritonserver on random loopback ports serving model_repository/ (smollm2)."""
+def _session_triton_server(model_dir, tmp_path_factory):
     from tritonllm.server import TritonServer
 
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
@@ -55,6 +54,65 @@ def triton_server(model_dir, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+# Why the session's server stopped serving, and after which test (pytest_runtest_makereport).
+_stopped_serving: dict[str, str] = {}
+
+
+@pytest.fixture
+def triton_server(_session_triton_server):
+    """A real tritonserver on random loopback ports serving model_repository/ (smollm2), one per session.
+
+    Once a test has left it not serving (server_watch.py), later tests fail at once with that finding
+    instead of each waiting out its own timeouts.
+    """
+    if _stopped_serving:
+        pytest.fail(f"the session's tritonserver stopped serving after {_stopped_serving['after']} "
+                    "(the run's summary says why)", pytrace=False)
+    return _session_triton_server
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """After a test failed against the session's server: does the server still serve? If not, why."""
+    outcome = yield
+    report = outcome.get_result()
+    server = getattr(item, "funcargs", {}).get("triton_server")
+    if report.when != "call" or not report.failed or server is None or _stopped_serving:
+        return
+    from server_watch import diagnose
+
+    why = diagnose(server)
+    if why is not None:
+        _stopped_serving.update(after=item.nodeid, why=why)
+        report.sections.append(("the session's tritonserver stopped serving", why))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """At the very end of the output (what a CI log's tail shows): the machine, and a stopped server's story."""
+    import platform
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    try:
+        from tritonllm import cpu_kernels
+
+        amx = "AMX tiles usable" if cpu_kernels.amx_block_gemm_supported() else "no AMX tiles"
+    except Exception as exc:  # noqa: BLE001 - a summary line, never a failure
+        amx = f"CPU kernels not loaded ({type(exc).__name__})"
+    terminalreporter.write_line(f"machine: {cpu}, {os.cpu_count()} CPUs, {amx}")
+    if _stopped_serving:
+        terminalreporter.write_sep("=", f"the session's tritonserver stopped serving after {_stopped_serving['after']}")
+        terminalreporter.write_line(_stopped_serving["why"])
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
 
 
 @pytest.fixture(scope="session")

@@ -172,3 +172,14 @@ def test_metrics_move_as_requests_flow(triton_server, stream):
     assert metric(after, "llm_generation_tokens_total") >= metric(before, "llm_generation_tokens_total") + 6
     assert metric(after, "llm_kv_cache_blocks", state="total") > 0
     assert metric(after, "llm_requests", state="running") == 0
+
+
+def test_sigusr1_writes_the_stub_threads_stacks_into_the_server_log(triton_server):
+    """`kill -USR1 <stub pid>` (triton_model.py): where a model that stopped answering waits, in the log."""
+    from server_watch import python_stacks, stub_pids
+
+    (pid,) = stub_pids(triton_server)
+    stacks = python_stacks(triton_server, pid)
+    assert "most recent call first" in stacks and "_respond_loop" in stacks, stacks
+    assert triton_server.process.poll() is None
+

@@ -1,0 +1,37 @@
+"""server_watch.py: what the suite reports when a shared tritonserver stops answering mid-run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import pytest
+
+from conftest import REPO
+from server_watch import diagnose, stub_pids
+
+pytestmark = pytest.mark.server
+
+
+def test_a_frozen_stub_is_found_out_with_its_threads_stacks(tmp_path):
+    """A stub frozen with SIGSTOP stands in for one stuck for good. (Its own server: tritonserver itself
+    aborts on a lock timeout once a stub that froze mid-exchange goes on.)"""
+    from tritonllm.server import TritonServer
+
+    server = TritonServer(REPO / "model_repository", log_path=tmp_path / "tritonserver.log",
+                          extra_args=["--model-control-mode=explicit", "--load-model=smollm2"]).start()
+    try:
+        assert diagnose(server) is None
+        (pid,) = stub_pids(server)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            finding = diagnose(server, timeout=5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        server.stop(timeout=5)  # its exit would wait on the thawed stub: not what this test is about
+    assert finding is not None and finding.startswith("a one-token request got"), finding
+    assert "the server log's last lines" in finding and f"stub {pid}, Python threads" in finding
+    if shutil.which("gdb"):
+        assert f"stub {pid}, native threads" in finding and "Thread 1 " in finding, finding
