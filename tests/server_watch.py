@@ -18,9 +18,6 @@ import time
 
 from grpc_stream import StreamClient, make_inputs
 
-_STUB = "triton_python_b"  # /proc/PID/comm of triton_python_backend_stub (cut to 15 characters)
-
-
 def answers(server, timeout: float = 60.0) -> str | None:
     """None when a one-token greedy request gets its final response within `timeout`, else why not."""
     client = None
@@ -39,8 +36,8 @@ def answers(server, timeout: float = 60.0) -> str | None:
                 pass
 
 
-def stub_pids(server) -> list[int]:
-    """The pids of the server's Python-backend stub processes (its children named like the stub)."""
+def children(pid: int, marker: str) -> list[int]:
+    """Live processes whose parent is `pid` and whose command line contains `marker`."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -48,13 +45,19 @@ def stub_pids(server) -> list[int]:
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
                 stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        comm = stat[stat.index(b"(") + 1:stat.rindex(b")")].decode(errors="replace")
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
-        if ppid == server.process.pid and comm == _STUB:
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != b"Z" and marker in cmdline:
             found.append(int(entry))
     return found
+
+
+def stub_pids(server) -> list[int]:
+    """The pids of the server's Python-backend stub processes."""
+    return children(server.process.pid, "triton_python_backend_stub")
 
 
 def python_stacks(server, pid: int) -> str:

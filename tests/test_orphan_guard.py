@@ -14,27 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import write_variant_repo
+from server_watch import children
 
 pytestmark = pytest.mark.server
-
-
-def _children(pid: int, marker: str) -> list[int]:
-    """Live processes whose parent is `pid` and whose command line contains `marker`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != b"Z" and marker in cmdline:
-            found.append(int(entry))
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -63,8 +45,8 @@ def _start(tmp_path: Path):
     server = TritonServer(repo, log_path=tmp_path / "tritonserver.log",
                           extra_args=["--model-control-mode=explicit", "--load-model=smollm2"])
     server.start()
-    [stub] = _children(server.process.pid, "triton_python_backend_stub")
-    [guard] = _children(stub, "tritonllm.orphan_guard")
+    [stub] = children(server.process.pid, "triton_python_backend_stub")
+    [guard] = children(stub, "tritonllm.orphan_guard")
     return server, stub, guard
 
 

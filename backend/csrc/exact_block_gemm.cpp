@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "block_gemm_call.h"
 #include "claimed_chunks.h"
 
 #include <algorithm>
@@ -237,37 +238,12 @@ void run_panels(const float* xp, int64_t k, const uint8_t* codes, const float* s
 at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& bias_in, int64_t out_features) {
 #if defined(__AVX512F__)
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
-                  (codes.size(2) == kPanel / 2 || codes.size(2) == kPanel || codes.size(2) == 2 * kPanel) &&
-                  scales.scalar_type() == at::kFloat &&
-                  scales.dim() == 4 && scales.is_contiguous() && scales.size(0) == codes.size(0) &&
-                  scales.size(1) * kBlock == codes.size(1) && scales.size(2) == (codes.size(2) == kPanel / 2 ? 2 : codes.size(2) == kPanel ? 1 : 0) &&
-                  scales.size(3) == kPanel,
-              "block_gemm: weight from pack_block_weight");
-  const int64_t k = codes.size(1), n = out_features, panels = codes.size(0);
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1 && x_in.size(-1) == k,
-              "block_gemm: float32 x with in_features ", k, " last");
-  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "block_gemm: out_features ", n,
-              " does not match the packed weight");
-  at::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK(bias_in->scalar_type() == at::kFloat && bias_in->numel() == n, "block_gemm: bias [out_features] float32");
-    bias = bias_in->contiguous();
-  }
-  const at::Tensor x = x_in.reshape({-1, k}).contiguous();
-  const int64_t m = x.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();  // may be null for bfloat16 (no scales), never read then
-  float* yp = y.data_ptr<float>();
-  if (codes.size(2) == kPanel / 2) run_panels<Q4Blocks>(xp, k, cp, sp, panels, m, n, bp, yp);
-  else if (codes.size(2) == kPanel) run_panels<Q8Blocks>(xp, k, cp, sp, panels, m, n, bp, yp);
-  else run_panels<Bf16Values>(xp, k, cp, sp, panels, m, n, bp, yp);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = n;
-  return y.view(shape);
+  const tritonllm::BlockGemmCall call("block_gemm", x_in, codes, scales, bias_in, out_features);
+  call.by_format<Q4Blocks, Q8Blocks, Bf16Values>([&](auto format) {
+    run_panels<decltype(format)>(call.x.data_ptr<float>(), call.k, call.codes, call.scales, call.panels, call.m,
+                                 call.n, call.bias, call.y.data_ptr<float>());
+  });
+  return call.result();
 #else
   TORCH_CHECK(false, "block_gemm: built without AVX-512");
 #endif
