@@ -10,7 +10,7 @@ import torch
 from test_exact_blocks import MAKERS, bits, q8_weight
 from tritonllm import cpu_kernels
 from tritonllm.layers.exact_blocks import find_blocks
-from tritonllm.layers.linear import PackedWeight, tune_amx_min_rows
+from tritonllm.layers.linear import AMX_MIN_ROWS, PackedWeight, choose_amx_min_rows
 
 pytestmark = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.amx_block_gemm_supported()),
                                 reason="this CPU (or kernel, or build) gives no AMX-BF16 tiles")
@@ -75,15 +75,14 @@ def test_a_packed_weight_runs_amx_from_its_threshold_on():
         assert torch.equal(bits(packed(x, None)), bits(want))
 
 
-def test_tuning_sets_one_threshold_for_every_weight():
-    """On an AMX CPU the tiles pay at some row count up to 64 (1.5x at 64 rows on the default model's
-    shapes); weights without blocks take the same value and never use it."""
+def test_one_constant_threshold_for_every_weight():
+    """On an AMX CPU every weight gets the constant AMX_MIN_ROWS, the same at every start; weights without
+    blocks take it and never use it; without any blocks there is nothing to run on the tiles."""
     weights = [PackedWeight(MAKERS["q4_1"](960, 576, seed=s), "avx512", 64, exact_blocks=True) for s in range(4)]
     plain = PackedWeight(torch.randn(64, 576), "avx512", 64, exact_blocks=True)
-    found = tune_amx_min_rows(weights + [plain], 64)
-    assert found is not None and 1 <= found <= 64
-    assert all(w.amx_min_rows == found for w in weights + [plain]) and not plain.runs_amx(64)
-    assert tune_amx_min_rows([plain], 64) is None
+    assert choose_amx_min_rows(weights + [plain]) == AMX_MIN_ROWS
+    assert all(w.amx_min_rows == AMX_MIN_ROWS for w in weights + [plain]) and not plain.runs_amx(64)
+    assert choose_amx_min_rows([plain]) is None
 
 
 def test_engine_greedy_outputs_equal_those_of_the_float32_kernels(model_dir):

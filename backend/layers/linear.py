@@ -18,8 +18,8 @@ streams straight into its FMAs:
   for bit, from 2-5.3x fewer bytes (a step's layer GEMMs at 1 / 4 / 8 rows: Q4_1 2.1-2.8x / 1.5-1.8x /
   1.1-1.3x faster, bfloat16 1.65x / 1.18x / 0.99x on an AMD EPYC VM, where from ~10 rows the
   arithmetic, not the stream, sets the pace; where that crossover lies is timed at load:
-  `tune_blocks_max_rows`). On CPUs with AMX-BF16, GEMMs of at least `amx_min_rows` rows (timed at
-  load: `tune_amx_min_rows`) run those blocks on AMX tiles instead (csrc/amx_block_gemm.cpp): x split
+  `tune_blocks_max_rows`). On CPUs with AMX-BF16, GEMMs of at least `amx_min_rows` rows (a constant:
+  `choose_amx_min_rows`) run those blocks on AMX tiles instead (csrc/amx_block_gemm.cpp): x split
   exactly into three bfloat16 parts, the codes exact in bfloat16, sums and scales in float32, so a
   float32 GEMM's accuracy (not its bits); a step's layer GEMMs at 64 rows 52 -> 35 ms on an Intel
   Xeon VM.
@@ -44,6 +44,10 @@ from .exact_blocks import find_blocks
 logger = logging.getLogger(__name__)
 
 BLOCKS_MAX_ROWS = 8  # the most rows a GEMM on exactly-quantized weights takes their blocks for, unless tuned
+# From how many rows a GEMM on exact blocks runs on AMX tiles (`choose_amx_min_rows`). A constant, not
+# timed: the tiles' sums are not the FMA kernels' bit for bit, so a timed threshold would let a
+# request's numbers change from one server start to the next.
+AMX_MIN_ROWS = 8
 
 
 def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -82,7 +86,7 @@ class PackedWeight:
         weight = weight.detach().contiguous()
         self.blocks: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes, scales) for block_gemm
         self.blocks_max_rows = BLOCKS_MAX_ROWS  # GEMMs of up to this many rows read the blocks (tune_blocks_max_rows)
-        self.amx_min_rows: int | None = None  # GEMMs of at least this many rows run the blocks on AMX (tune_amx_min_rows)
+        self.amx_min_rows: int | None = None  # GEMMs of at least this many rows run the blocks on AMX (choose_amx_min_rows)
         if exact_blocks and kernel == "avx512":
             found = find_blocks(weight)
             if found is not None:
@@ -157,30 +161,17 @@ def tune_blocks_max_rows(weights: list[PackedWeight], max_rows: int) -> int:
     return best
 
 
-def tune_amx_min_rows(weights: list[PackedWeight], max_rows: int) -> int | None:
-    """From how many rows this CPU runs a step's GEMMs on exact blocks faster on AMX tiles than as
-    they run now (blocks or panels), timed once at load on `weights` themselves as
-    `tune_blocks_max_rows` does; sets every weight's `amx_min_rows` to it (None: AMX never paid, or
-    there is none).
+def choose_amx_min_rows(weights: list[PackedWeight]) -> int | None:
+    """AMX_MIN_ROWS where this CPU has AMX tiles and `weights` have exact blocks, else None; sets every
+    weight's `amx_min_rows` to it.
 
-    Each call widens the 4-bit or 8-bit codes to bfloat16 tiles once per 32 columns, which few rows do
+    Each call widens the 4-bit or 8-bit codes to bfloat16 tiles once per 32 columns, which one row does
     not repay: on an Intel Xeon VM (2 cores) a step's layer GEMMs at 1 / 4 / 16 / 64 rows took 8.7 /
-    9.5 / 12.9 / 34.7 ms on AMX against 7.0 / 11.0 / 16.0 / 52.8 from the blocks. Rows double from 1
-    while AMX is not 3 % faster (`_pays`); the first count where it is becomes the threshold (its lead
-    only grows with the rows).
+    9.5 / 12.9 / 34.7 ms on AMX against 7.0 / 11.0 / 16.0 / 52.8 from the blocks. Neither the row count
+    nor the choice is timed (timing picked 4, 16 and 32 rows in three starts there), so that the
+    same batch gives the same numbers at every start and in every process.
     """
-    with_blocks = [w for w in weights if w.blocks is not None]
-    found = None
-    if with_blocks and cpu_kernels.amx_block_gemm_supported():
-        rows = 1
-        while rows <= max_rows:
-            def now(w: PackedWeight, x: torch.Tensor, rows: int = rows) -> torch.Tensor:
-                return _block_gemm(w, x) if w.reads_blocks(rows) else _panel_gemm(w, x)
-
-            if _pays(with_blocks, rows, _amx_gemm, now):
-                found = rows
-                break
-            rows *= 2
+    found = AMX_MIN_ROWS if any(w.blocks is not None for w in weights) and cpu_kernels.amx_block_gemm_supported() else None
     for w in weights:
         w.amx_min_rows = found
     return found
@@ -192,10 +183,6 @@ def _panel_gemm(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
 
 def _block_gemm(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.block_gemm(x, *w.blocks, None, w.out_features)
-
-
-def _amx_gemm(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
-    return cpu_kernels.amx_block_gemm(x, *w.blocks, None, w.out_features)
 
 
 def _pays(weights: list[PackedWeight], rows: int, candidate, current) -> bool:

@@ -35,7 +35,7 @@ from torch import nn
 from .. import cpu_kernels
 from ..layers.attention import AttentionMetadata, paged_attention, write_kv
 from ..layers.greedy_screen import GreedyScreen
-from ..layers.linear import Linear, PackedWeight, pack_linears, tune_amx_min_rows, tune_blocks_max_rows
+from ..layers.linear import Linear, PackedWeight, pack_linears, choose_amx_min_rows, tune_blocks_max_rows
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_by_layer_type
 from ..tensor_parallel import SINGLE, TPShard
@@ -274,9 +274,9 @@ class LlamaForCausalLM(nn.Module):
             logger.info("exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
                         tune_blocks_max_rows(layers, batch_hint))
             if amx and cpu_kernels.amx_block_gemm_supported():
-                amx_rows = tune_amx_min_rows(layers, batch_hint)
-                logger.info("AMX tiles run the exact blocks of GEMMs of %s (timed on this CPU)",
-                            f"{amx_rows} rows or more" if amx_rows else "no row count: slower here")
+                amx_rows = choose_amx_min_rows(layers)
+                logger.info("AMX tiles run the exact blocks of GEMMs of %s",
+                            f"{amx_rows} rows or more" if amx_rows else "no row count: slower on this CPU")
         self.decoder_stack = DecoderStack.build(self)
         if self.lm_head is None:
             shared = self.greedy_screen.packed if kernel == "avx512_bf16" and self.greedy_screen is not None else None
