@@ -276,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
             if amx and cpu_kernels.amx_block_gemm_supported():
                 amx_rows = choose_amx_min_rows(layers)
                 logger.info("AMX tiles run the exact blocks of GEMMs of %s",
-                            f"{amx_rows} rows or more" if amx_rows else "no row count: slower on this CPU")
+                            f"{amx_rows} rows or more" if amx_rows else "no row count: no layer weight is exact blocks")
         self.decoder_stack = DecoderStack.build(self)
         if self.lm_head is None:
             shared = self.greedy_screen.packed if kernel == "avx512_bf16" and self.greedy_screen is not None else None
