@@ -94,3 +94,15 @@ class EngineMetrics:
         if new > 0:
             self.preemptions.increment(new)
             self._preemptions_seen = stats["preemptions"]
+
+    def close(self) -> None:
+        """Release every metric, then the families, while the stub can still reach tritonserver (from
+        `finalize`); the object is unusable afterwards.
+
+        Left to Python's exit, they would be freed after the stub's link to the server is gone, and the
+        stub of tritonserver 2.51 crashes there (a segfault in Metric::Clear, fixed upstream in
+        python_backend #429): a crash at every server stop, in the kernel log and the server log.
+        """
+        families = self._families
+        self.__dict__.clear()  # the metrics first: a family must outlive its metrics
+        families.clear()

@@ -94,6 +94,8 @@ class TritonPythonModel:
         # `kill -USR1 <stub pid>` writes every Python thread's stack into the server log: for a model that
         # stops answering, where its threads wait (the stub's stderr is tritonserver's).
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # And a crash of the stub (in a C++ kernel, say) leaves the Python stacks there too.
+        faulthandler.enable(all_threads=True)
         self.model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException(
@@ -264,4 +266,7 @@ class TritonPythonModel:
         self.loop.shutdown()
         self._stopping.set()
         self._responder.join(timeout=30)
+        if self.metrics is not None and not self._responder.is_alive():  # else it may still record
+            self.metrics.close()
+            self.metrics = None
         logger.info("model %s instance %s finalized", self.model_name, self.instance_name)
