@@ -47,6 +47,10 @@ constexpr int64_t kPanel = 32;           // output columns per panel (two zmm)
 constexpr int64_t kBlock = 32;           // k values sharing one scale (and one min)
 constexpr int kMaxRows = 12;             // rows per microkernel call
 constexpr int64_t kClaimsPerThread = 8;  // panel runs each thread claims (claimed_chunks.h)
+// The first row block of a panel pulls its codes (and scales) this far ahead into L1: with the codes
+// from DRAM, a 4-bit step's layer GEMMs (AMD EPYC Zen 5 VM, 2 threads) took 4.0 -> 3.1 ms at 1 row, 5.1 -> 3.6
+// at 4, 7.3 -> 5.6 at 8, 12.3 -> 11.0 at 20; 512 / 1024 / 4096 bytes did no better (docs/PERFORMANCE.md).
+constexpr int64_t kPrefetchBytes = 2048;
 
 // Whether fl(d * q) == d * q for every 4-bit code q [N, K] and its block's d [N, K / 32].
 bool products_exact(const at::Tensor& q, const at::Tensor& d) {
@@ -167,7 +171,9 @@ struct Bf16Values {
 // y[0..R) x [0..32) = x[0..R) . one panel (+ bias), packed_gemm's arithmetic on decoded weights.
 template <typename Format, int R>
 void microkernel(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, int64_t k, float* y,
-                 int64_t ldy, const float* bias) {
+                 int64_t ldy, const float* bias, bool prefetch) {
+  constexpr int64_t kBlockBytes = kBlock * Format::kCodeBytes, kLineSteps = 64 / Format::kCodeBytes;
+  constexpr int64_t kAhead = (kPrefetchBytes + kBlockBytes - 1) / kBlockBytes;  // in blocks
   __m512 acc0[R], acc1[R];
   const __m512 init0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 init1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
@@ -179,7 +185,13 @@ void microkernel(const float* x, int64_t ldx, const uint8_t* codes, const float*
   Format format;
   for (int64_t blk = 0; blk < k / kBlock; ++blk) {
     format.block(scales + blk * Format::kScaleFloats);
+    if (prefetch)
+      for (int64_t line = 0; line < Format::kScaleFloats * 4; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(scales + (blk + kAhead) * Format::kScaleFloats) + line, _MM_HINT_T0);
+    const uint8_t* ahead = codes + (blk + kAhead) * kBlockBytes;
     for (int64_t i = blk * kBlock; i < (blk + 1) * kBlock; ++i) {
+      if (prefetch && (i % kLineSteps) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (i - blk * kBlock) * Format::kCodeBytes), _MM_HINT_T0);
       __m512 b0, b1;
       format.decode(codes + i * Format::kCodeBytes, b0, b1);
 #pragma GCC unroll 12
@@ -197,7 +209,7 @@ void microkernel(const float* x, int64_t ldx, const uint8_t* codes, const float*
   }
 }
 
-using Microkernel = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t, const float*);
+using Microkernel = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t, const float*, bool);
 template <typename F>
 constexpr Microkernel kMicrokernels[kMaxRows + 1] = {
     nullptr, &microkernel<F, 1>, &microkernel<F, 2>, &microkernel<F, 3>, &microkernel<F, 4>, &microkernel<F, 5>,
@@ -220,11 +232,12 @@ void run_panels(const float* xp, int64_t k, const uint8_t* codes, const float* s
         const int64_t col0 = p * kPanel, cols = std::min(kPanel, n - col0);
         for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m - r0));
+          const bool pf = r0 == 0;  // later row blocks find the panel in L1/L2
           if (cols == kPanel) {
-            kMicrokernels<F>[rows](xp + r0 * k, k, pc, ps, k, yp + r0 * n + col0, n, bias ? bias + col0 : nullptr);
+            kMicrokernels<F>[rows](xp + r0 * k, k, pc, ps, k, yp + r0 * n + col0, n, bias ? bias + col0 : nullptr, pf);
           } else {
             if (bias) std::copy(bias + col0, bias + n, tail_bias);
-            kMicrokernels<F>[rows](xp + r0 * k, k, pc, ps, k, tail, kPanel, bias ? tail_bias : nullptr);
+            kMicrokernels<F>[rows](xp + r0 * k, k, pc, ps, k, tail, kPanel, bias ? tail_bias : nullptr, pf);
             for (int r = 0; r < rows; ++r) std::copy(tail + r * kPanel, tail + r * kPanel + cols, yp + (r0 + r) * n + col0);
           }
         }
