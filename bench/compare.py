@@ -367,6 +367,10 @@ class Comparison:
             self.run_peers(peers)
         self.result["machine"]["load_average_after"] = os.getloadavg()[0]
         report.add_ratios(self.result["rows"])
+        one_client = next((lv for lv in self.result.get("sweep") or [] if lv["concurrency"] == 1), None)
+        self.result["arrival_bound"] = report.arrival_bound(
+            [(s.send_offset_s, s.max_tokens) for s in self.specs], self.result["rows"],
+            ((one_client or {}).get("tpot_s") or {}).get("p50"))
         self.result["agreement"] = report.agreement(self.texts)
         self.result["texts"] = {name: {str(i): t for i, t in sorted(texts.items())} for name, texts in self.texts.items()}
         self.save()
@@ -388,6 +392,9 @@ def main(argv=None) -> int:
               f"{result['machine']['load_average_after']:.1f} after on {os.cpu_count()} CPUs: other work shared "
               "the machine, so these numbers are noisy", file=sys.stderr)
     print("\n" + report.markdown_table(result["rows"]))
+    bound = report.arrival_bound_lines(result.get("arrival_bound") or {})
+    if bound:
+        print("\n" + bound)
     if result.get("sweep"):
         print("\n" + report.sweep_table(result["sweep"]))
     if result.get("agreement"):

@@ -70,6 +70,44 @@ def add_ratios(rows: list[dict]) -> None:
             r[f"ratio_to_{base}"] = (r["total_time_s"] / ref["total_time_s"]) if ref and r.get("total_time_s") else None
 
 
+def arrival_bound(requests: list[tuple[float, int]], rows: list[dict], per_token_s: Optional[float] = None) -> dict:
+    """How fast the replay's own schedule lets any system finish, and so the most it can be ahead of hf_serial.
+
+    `requests`: (send offset, output tokens) per request. No server, however fast, finishes before the
+    last send; one that streams a request at `per_token_s` per token at best (ours with one client)
+    finishes no sooner than max(send + tokens x per_token_s) over the requests. Each floor caps the ratio
+    total time of hf_serial / total time of a system at hf_serial's total over that floor.
+    """
+    serial = next((r for r in rows if r["system"] == "hf_serial" and r.get("total_time_s")), None)
+    last_send = max(send for send, _ in requests)
+    out = {"last_send_s": last_send, "per_token_s": per_token_s, "serial_total_s": serial and serial["total_time_s"],
+           "serial_extrapolated": bool(serial and serial["extrapolated"])}
+    out["max_ratio_vs_serial"] = serial["total_time_s"] / last_send if serial and last_send > 0 else None
+    if per_token_s:
+        send, tokens = max(requests, key=lambda r: r[0] + r[1] * per_token_s)
+        out["floor_s"] = send + tokens * per_token_s
+        out["floor_request"] = {"send_offset_s": send, "output_tokens": tokens}
+        out["max_ratio_vs_serial_at_per_token"] = serial["total_time_s"] / out["floor_s"] if serial else None
+    return out
+
+
+def arrival_bound_lines(bound: dict) -> str:
+    """The arrival bound as Markdown bullets (empty without a serial baseline)."""
+    if not bound or bound.get("max_ratio_vs_serial") is None:
+        return ""
+    mark = "~" if bound["serial_extrapolated"] else ""
+    lines = [f"- the replay sends its last request at {bound['last_send_s']:.2f} s: no system finishes sooner, so "
+             f"none can be more than {mark}{bound['max_ratio_vs_serial']:.2f}x faster than hf_serial "
+             f"({mark}{bound['serial_total_s']:.1f} s) on this replay"]
+    if bound.get("floor_s"):
+        req = bound["floor_request"]
+        lines.append(f"- at our one-client TPOT ({1e3 * bound['per_token_s']:.1f} ms, a request streamed alone), the "
+                     f"earliest finish is {bound['floor_s']:.2f} s (the request sent at {req['send_offset_s']:.2f} s "
+                     f"with {req['output_tokens']} tokens): at most {mark}{bound['max_ratio_vs_serial_at_per_token']:.2f}x "
+                     "hf_serial for a server that streams no faster than ours alone")
+    return "\n".join(lines)
+
+
 def _f(value, fmt: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, fmt)
 
@@ -174,6 +212,9 @@ def write_markdown(result: dict, path: Path) -> None:
         parts += ["Outputs identical to transformers (greedy, same token ids in): " + ", ".join(
             f"{k} {v['identical']}/{v['compared']} (mean shared prefix {100 * v['mean_shared_prefix_fraction']:.0f} %)"
             for k, v in r["agreement"].items()), ""]
+    bound = arrival_bound_lines(r.get("arrival_bound") or {})
+    if bound:
+        parts += ["## What the arrival schedule allows", "", bound, ""]
     if r.get("sweep"):
         parts += ["## Concurrency sweep (ours, closed loop)", "", sweep_table(r["sweep"]), ""]
         if r.get("sweep_png"):
