@@ -213,6 +213,7 @@ def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
     # The rows up to which the blocks are read were timed at load; never fewer than the default.
     assert all(p.blocks_max_rows == linears[0].blocks_max_rows >= BLOCKS_MAX_ROWS for p in linears)
     assert model.decoder_stack.blocks_max_rows == linears[0].blocks_max_rows
+    assert head.blocks_max_rows >= BLOCKS_MAX_ROWS  # the head's own crossover, timed alike
 
 
 @avx512

@@ -285,6 +285,10 @@ class LlamaForCausalLM(nn.Module):
         head = self.tied_head_packed if self.lm_head is None else self.lm_head.packed
         if head is not None:
             head.amx_min_rows = amx_rows  # the layers' threshold: the head's 8-bit blocks widen alike
+            if head.blocks is not None:
+                # Its own crossover: an 8-bit head's blocks are a quarter of its panels' bytes, not an eighth.
+                logger.info("the LM head's exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
+                            tune_blocks_max_rows([head], batch_hint))
 
     def load_hf_state_dict(self, tensors) -> None:
         """Copy Hugging Face weights into the fused layout, keeping only this rank's shard.
