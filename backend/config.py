@@ -46,6 +46,14 @@ class EngineConfig:
     # Streamed responses carry at least this many new tokens (the first and the last excepted); a
     # request's `stream_interval` can raise it (vLLM's). Fewer responses cost less CPU per token.
     stream_interval: int = 1
+    # Speculative decoding for greedy requests, on CPU with our kernels (where every row of a step is a
+    # one-token decode's arithmetic, so the tokens are the same): up to this many draft tokens per step,
+    # found where the sequence's last n-gram occurred before in it (ngram_draft.py; 0: off) ...
+    speculative_tokens: int = 4
+    # ... in steps of at most this many sequences. A draft row costs about what a sequence's row costs:
+    # it pays where the step's fixed part (the weights streamed once) outweighs its rows, or where most
+    # drafts are accepted (outputs that copy their prompt; docs/PERFORMANCE.md, engine work log)
+    speculative_max_batch: int = 1
     num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default; per rank with tensor parallelism)
     # CPU linears, weights packed once: our AVX-512 kernel (avx512; else onednn), the same on bfloat16
     # weights (avx512_bf16: faster, lossy, opt-in; else avx512), oneDNN (onednn); or F.linear (aten)
@@ -101,8 +109,9 @@ class EngineConfig:
         dev = self.device.split(":")[0]
         if dev not in ("auto", "cpu", "cuda", "npu"):
             raise ConfigError(f"device must be auto, cpu, cuda[:N] or npu[:N], got {self.device!r}")
-        if self.max_queue_size < 0 or self.num_threads < 0:
-            raise ConfigError("max_queue_size and num_threads must be >= 0")
+        if self.max_queue_size < 0 or self.num_threads < 0 or self.speculative_tokens < 0 \
+                or self.speculative_max_batch < 0:
+            raise ConfigError("max_queue_size, num_threads, speculative_tokens and speculative_max_batch must be >= 0")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], **overrides) -> "EngineConfig":

@@ -24,6 +24,7 @@ from .guided_decoding import Guides
 from .loader import load_hf_config, load_tokenizer
 from .model_files import resolve_model_dir
 from .model_runner import ModelRunner
+from .ngram_draft import accepted_tokens
 from .models.families import exact_context_limit
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import InvalidRequestError, SamplingParams
@@ -74,7 +75,8 @@ class Engine:
                                               window=model.kv_release_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.kv_window,
-                                   config.kv_window_ratio, config.kv_sink_tokens, config.reserve_known_growth)
+                                   config.kv_window_ratio, config.kv_sink_tokens, config.reserve_known_growth,
+                                   self._speculative_tokens(config), config.speculative_max_batch)
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _StreamState] = {}
         self._add_lock = threading.Lock()  # add_request may be called from other threads
@@ -83,6 +85,17 @@ class Engine:
             self.warmup()
         self.startup_seconds = time.perf_counter() - started
         logger.info("engine ready in %.1f s on %s (%s)", self.startup_seconds, self.device, self.dtype)
+
+    def _speculative_tokens(self, config: EngineConfig) -> int:
+        """Draft tokens per step: config.speculative_tokens where the drafted rows give a one-token
+        decode's results bit for bit (our float32 CPU kernels, whose every row is computed alike however
+        many there are), else none."""
+        exact_rows = self.runner.use_cpu_kernels and config.cpu_gemm == "avx512" and not config.amx_gemm
+        if config.speculative_tokens and not exact_rows:
+            logger.info("speculative_tokens=%d: off here (only our float32 CPU kernels give drafted rows "
+                        "a one-token decode's exact results)", config.speculative_tokens)
+            return 0
+        return config.speculative_tokens
 
     def _eos_ids(self, hf_config) -> set[int]:
         ids: set[int] = set()
@@ -258,35 +271,35 @@ class Engine:
         self.num_steps += 1
         now = time.time()
         results = []
-        for item, token_id, logprob, top in zip(inputs.sampled, token_ids, logprobs, tops):
-            result = self._apply_token(item.seq, token_id, logprob, top, now)
+        row = 0
+        while row < len(inputs.sampled):  # a sequence with a draft has one row per draft token more
+            item = inputs.sampled[row]
+            end = row + 1 + len(item.draft)
+            take = accepted_tokens(item.draft, token_ids[row:end]) if item.draft else 1
+            result = self._apply_tokens(item.seq, token_ids[row:row + take], logprobs[row:row + take],
+                                        tops[row:row + take], now)
+            if item.draft and not item.seq.is_finished:
+                self.scheduler.commit_accepted(item.seq, take - 1)
             if result is not None:
                 results.append(result)
+            row = end
         return results
 
-    def _apply_token(self, seq: Sequence, token_id: int, logprob: float, top, now: float) -> RequestOutput | None:
+    def _apply_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list[float], tops: list,
+                      now: float) -> RequestOutput | None:
+        """Append a step's new tokens to `seq` (one, or with a draft the accepted ones) up to the first that
+        finishes it; returns its one output for the step."""
         if seq.is_finished:  # aborted while the step ran
             return None
         if not seq.times.first_token:
             seq.times.first_token = now
-        seq.append_token(token_id, logprob, top)
         state = self._streams[seq.request_id]
-        p = seq.params
         reason = None
-        if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
-            if seq.num_output_tokens > p.min_tokens or not p.min_tokens:
-                reason = FinishReason.STOP
-        if reason is None and seq.guided is not None and token_id in self.eos_token_ids:
-            reason = FinishReason.STOP  # a guided choice ended, ignore_eos or not
-        if reason is None and p.detokenize:
-            state.text += state.detok.add(token_id)
-            if p.stop and seq.num_output_tokens >= p.min_tokens:
-                reason = self._check_stop_strings(state, p.stop, p.include_stop_str_in_output)
-        if reason is None and seq.guided is not None and seq.guided.is_complete(seq.output_token_ids):
-            reason = FinishReason.STOP  # a whole choice that nothing extends
-        if reason is None:
-            if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-                reason = FinishReason.LENGTH
+        for token_id, logprob, top in zip(token_ids, logprobs, tops):
+            reason = self._append_token(seq, state, token_id, logprob, top)
+            if reason is not None:
+                break
+        p = seq.params
         prompt_logprobs = self._take_prompt_logprobs(seq, state)
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -297,6 +310,28 @@ class Engine:
         return RequestOutput(seq.request_id, new_ids, new_lps, self._new_text(state, p.stop, final=False), False, None,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
                              new_top_logprobs=new_tops, index=seq.index, prompt_logprobs=prompt_logprobs)
+
+    def _append_token(self, seq: Sequence, state: _StreamState, token_id: int, logprob: float,
+                      top) -> FinishReason | None:
+        """Append one token and say whether it ends the sequence (and why)."""
+        seq.append_token(token_id, logprob, top)
+        p = seq.params
+        if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
+            if seq.num_output_tokens > p.min_tokens or not p.min_tokens:
+                return FinishReason.STOP
+        if seq.guided is not None and token_id in self.eos_token_ids:
+            return FinishReason.STOP  # a guided choice ended, ignore_eos or not
+        if p.detokenize:
+            state.text += state.detok.add(token_id)
+            if p.stop and seq.num_output_tokens >= p.min_tokens:
+                reason = self._check_stop_strings(state, p.stop, p.include_stop_str_in_output)
+                if reason is not None:
+                    return reason
+        if seq.guided is not None and seq.guided.is_complete(seq.output_token_ids):
+            return FinishReason.STOP  # a whole choice that nothing extends
+        if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     @staticmethod
     def _check_stop_strings(state: _StreamState, stops: list[str], include: bool) -> FinishReason | None:

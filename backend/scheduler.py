@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, KVCopy
+from .ngram_draft import draft_for
 from .window_pool import WindowPoolBlockManager
 from .sequence import FinishReason, Sequence, SequenceStatus
 
@@ -27,11 +28,14 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
     kv_copies: list[KVCopy] = field(default_factory=list)  # prefix K/V to copy into its blocks before the forward
     first_row: int = -1  # its first token's row among the step's flat tokens (set by step_inputs)
+    # Speculative draft tokens fed after its last token (ngram_draft.py); included in num_new_tokens.
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """Whether this step reaches the end of the sequence, so a new token is sampled (with a draft,
+        one per row: after the last token and after each draft token)."""
+        return bool(self.draft) or self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -48,7 +52,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager | WindowPoolBlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs", kv_window: int = 0,
-                 kv_window_ratio: float = 0.0, kv_sink_tokens: int = 0, reserve_known_growth: bool = False):
+                 kv_window_ratio: float = 0.0, kv_sink_tokens: int = 0, reserve_known_growth: bool = False,
+                 speculative_tokens: int = 0, speculative_max_batch: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -61,6 +66,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self.reserve_known_growth = reserve_known_growth
+        self.speculative_tokens = speculative_tokens  # most draft tokens a decode feeds per step (0: none)
+        self.speculative_max_batch = speculative_max_batch  # ... in steps of at most this many sequences
 
     # ---- queues ----------------------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple:
@@ -172,6 +179,24 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new, kv_copies))
             budget -= num_new
 
+        # 3. Speculative drafts (ngram_draft.py) for the decodes of a step of few sequences, in the budget and
+        # free blocks left over: never at the cost of a prompt chunk or of another sequence's blocks. Not
+        # under recent-window pruning: a draft row would see the blocks that decoding up to it would have dropped.
+        if (self.speculative_tokens and not num_preempted and len(scheduled) <= self.speculative_max_batch
+                and not (self.kv_window or self.kv_window_ratio)):
+            for item in scheduled:
+                if budget <= 0:
+                    break
+                seq = item.seq
+                if item.num_new_tokens != 1 or seq.num_uncomputed_tokens != 1:
+                    continue
+                draft = draft_for(seq, min(self.speculative_tokens, budget), self.max_model_len)
+                if draft and bm.can_append(seq, seq.num_tokens + len(draft)):
+                    bm.append_slots(seq, seq.num_tokens + len(draft))
+                    item.draft = draft
+                    item.num_new_tokens += len(draft)
+                    budget -= len(draft)
+
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_preempted)
 
     def _known_growth(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, int]]:
@@ -222,7 +247,14 @@ class Scheduler:
 
     # ---- after the forward -----------------------------------------------------------------
     def commit(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counters once the step's K/V are written."""
+        """Advance computed-token counters once the step's K/V are written. Of a drafted sequence only its
+        last token's K/V count here; the accepted drafts' count once they are its tokens (`commit_accepted`)."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
             self.block_manager.commit_full_blocks(item.seq)
+
+    def commit_accepted(self, seq: Sequence, num_drafts: int) -> None:
+        """`num_drafts` accepted draft tokens, now appended to `seq`, have their K/V in its blocks (written
+        at their positions this step); the rejected ones' slots are overwritten as it grows."""
+        seq.num_computed_tokens += num_drafts
+        self.block_manager.commit_full_blocks(seq)

@@ -78,6 +78,7 @@ class Sequence:
         # params.prompt_logprobs: per prompt position p < num_prompt_tokens - 1, the entries scoring token
         # p + 1 (prompt_logprobs.py), filled as the prompt's chunks run
         self.prompt_logprobs: list[list[tuple[int, float, int]]] = []
+        self.ngram_index = None  # where its n-grams last ended, for speculative drafts (ngram_draft.py; made on first use)
 
     @property
     def num_tokens(self) -> int:

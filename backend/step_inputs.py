@@ -61,7 +61,8 @@ class DeviceStep:
 
 def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_groups: int = MAX_DECODE_GROUPS,
                     window: int | None = None, window_pool: bool = False) -> tuple[HostStep, list[ScheduledSeq]]:
-    """The step's flat inputs, and the sequences that choose a token (in logits-row order).
+    """The step's flat inputs, and the sequences that choose a token (in logits-row order; a sequence
+    with a speculative draft once per row of it).
 
     `max_decode_groups` 1 suits the decode kernel, which skips padding instead of gathering it.
     `window`: the model has sliding-window layers, which attend to each query's last `window`
@@ -80,14 +81,18 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_g
     for item in decodes + prefills:
         seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
         item.first_row = len(input_ids)
-        input_ids.extend(seq.token_ids[start:start + n])
+        input_ids.extend(seq.token_ids[start:start + n - len(item.draft)])
+        input_ids.extend(item.draft)
         pos = np.arange(start, start + n)
         table = np.asarray(seq.block_table)
         positions.append(pos)
         slots.append(table[pos // bs] * bs + pos % bs)
         if window_pool:
             window_slots.append(np.asarray(seq.window_block_table)[pos // bs] * bs + pos % bs)
-        if item.samples:
+        if item.draft:  # every row chooses: after its last token, and after each draft token
+            logits_rows.extend(range(item.first_row, len(input_ids)))
+            sampled.extend([item] * n)
+        elif item.samples:
             logits_rows.append(len(input_ids) - 1)
             sampled.append(item)
     host = HostStep(

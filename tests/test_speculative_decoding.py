@@ -1,0 +1,123 @@
+"""Speculative decoding with n-gram drafts (ngram_draft.py): the same tokens, fewer steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
+from tritonllm.config import ConfigError, EngineConfig
+from tritonllm.ngram_draft import NgramIndex, accepted_tokens
+from tritonllm.sampling_params import SamplingParams
+
+COPY_PROMPT = "Repeat the following text word for word.\n\n" + LONG_TEXT[:600]
+
+
+# ---- the draft and its acceptance -----------------------------------------------------------------
+def test_draft_follows_the_latest_earlier_occurrence_of_the_last_trigram():
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert NgramIndex().draft(tokens, 2) == [7, 8]  # the latest earlier "1 2 3" is followed by 7 8
+    assert NgramIndex().draft(tokens, 10) == [7, 8, 5, 1, 2, 3]  # as far as the list goes
+
+
+def test_draft_falls_back_to_the_last_bigram_and_to_nothing():
+    assert NgramIndex().draft([4, 5, 6, 0, 5, 6], 3) == [0, 5, 6]  # "0 5 6" is new, "5 6" is not
+    assert NgramIndex().draft([1, 2, 3, 4], 3) == []
+    assert NgramIndex().draft([7], 3) == []
+
+
+def test_a_growing_list_drafts_as_a_fresh_index_does():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 1, 4, 1, 5, 9, 2, 6, 5, 1, 4, 1]
+    grown = NgramIndex()
+    for end in range(1, len(tokens) + 1):
+        assert grown.draft(tokens[:end], 4) == NgramIndex().draft(tokens[:end], 4)
+
+
+def test_accepted_tokens_stop_at_the_first_draft_token_the_model_did_not_choose():
+    draft = [10, 11, 12]
+    assert accepted_tokens(draft, [10, 11, 12, 13]) == 4  # every draft token and the last row's choice
+    assert accepted_tokens(draft, [10, 99, 12, 13]) == 2  # 10 accepted, then the model's 99
+    assert accepted_tokens(draft, [5, 11, 12, 13]) == 1  # only the model's own first choice
+
+
+def test_speculative_tokens_must_not_be_negative():
+    with pytest.raises(ConfigError, match="speculative_tokens"):
+        EngineConfig(speculative_tokens=-1)
+
+
+# ---- on the engine: the tokens of one-at-a-time decoding ----------------------------------------
+@pytest.fixture
+def speculating(engine):
+    """The shared engine with drafts of up to 4 tokens in steps of up to 8 sequences, for one test."""
+    scheduler = engine.scheduler
+    saved = scheduler.speculative_tokens, scheduler.speculative_max_batch
+    scheduler.speculative_tokens, scheduler.speculative_max_batch = 4, 8
+    yield engine
+    scheduler.speculative_tokens, scheduler.speculative_max_batch = saved
+
+
+def _run(engine, prompts, params, spec: bool, chat: bool = True):
+    scheduler = engine.scheduler
+    saved = scheduler.speculative_tokens
+    scheduler.speculative_tokens = saved if spec else 0
+    try:
+        steps = engine.num_steps
+        outs = engine.generate(prompts, params, apply_chat_template=chat)
+        return outs, engine.num_steps - steps
+    finally:
+        scheduler.speculative_tokens = saved
+
+
+def test_greedy_tokens_and_logprobs_are_those_of_decoding_one_at_a_time(speculating):
+    prompts = [COPY_PROMPT, CHAT_PROMPTS[0], CHAT_PROMPTS[1], PLAIN_PROMPTS[0]]
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    plain, _ = _run(speculating, prompts, params, spec=False)
+    drafted, _ = _run(speculating, prompts, params, spec=True)
+    for a, b in zip(plain, drafted):
+        assert b.token_ids == a.token_ids and b.text == a.text
+        assert b.logprobs == a.logprobs  # bit for bit: each row is a one-token decode's arithmetic
+    # Alone, the copy prompt's drafts are mostly accepted: far fewer steps (a step per 96 tokens without).
+    _, copy_steps = _run(speculating, [COPY_PROMPT], params, spec=True)
+    assert copy_steps < 0.6 * 96
+
+
+def test_stops_inside_accepted_drafts_end_where_they_would_without(speculating):
+    [ref], _ = _run(speculating, [COPY_PROMPT], SamplingParams(max_tokens=80, ignore_eos=True), spec=False)
+    stop_id = ref.token_ids[37]
+    stop_text = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 6]
+    # Without log-probs: the greedy rows take the screened head where there is one.
+    for params in (SamplingParams(max_tokens=41, ignore_eos=True, logprobs=False),
+                   SamplingParams(max_tokens=80, ignore_eos=True, stop_token_ids=[stop_id], logprobs=False),
+                   SamplingParams(max_tokens=80, ignore_eos=True, stop=[stop_text], logprobs=False),
+                   SamplingParams(max_tokens=80, logprobs=False)):
+        [a], _ = _run(speculating, [COPY_PROMPT], params, spec=False)
+        [b], _ = _run(speculating, [COPY_PROMPT], params, spec=True)
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+
+
+def test_sampled_and_penalised_requests_beside_drafted_ones_are_unchanged(speculating):
+    prompts = [COPY_PROMPT, CHAT_PROMPTS[0], CHAT_PROMPTS[1]]
+    params = [SamplingParams(max_tokens=48, ignore_eos=True),
+              SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.8, seed=7),
+              SamplingParams(max_tokens=48, ignore_eos=True, repetition_penalty=1.3)]
+    plain, _ = _run(speculating, prompts, params, spec=False)
+    drafted, _ = _run(speculating, prompts, params, spec=True)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+
+
+def test_many_sequences_take_no_drafts_and_the_prefix_cache_holds_accepted_tokens(speculating):
+    # More sequences than speculative_max_batch: plain decode steps, the same tokens.
+    prompts = [f"{p} ({i})" for i in range(3) for p in PLAIN_PROMPTS[:3]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain, plain_steps = _run(speculating, prompts, params, spec=False, chat=False)
+    drafted, drafted_steps = _run(speculating, prompts, params, spec=True, chat=False)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain] and drafted_steps == plain_steps
+    # The drafted copy's blocks, accepted tokens included, are found again by their content.
+    [first], _ = _run(speculating, [COPY_PROMPT], SamplingParams(max_tokens=64, ignore_eos=True), spec=True)
+    full = first.prompt_token_ids + first.token_ids
+    [again] = speculating.generate(prompt_token_ids=[full[:-1]], params=SamplingParams(max_tokens=1, ignore_eos=True))
+    bs = speculating.config.block_size
+    assert again.num_cached_prompt_tokens >= (len(full) - 1) // bs * bs - bs
+    assert again.token_ids == [full[-1]]
+    assert not math.isnan(first.logprobs[0])
