@@ -9,8 +9,9 @@ choice comes on top. The tokens are the ones decoding one at a time would choose
 row's arithmetic is a one-token decode's (the CPU kernels: docs/PERFORMANCE.md, engine work log).
 
 On the default model's replay outputs a draft of up to 4 tokens gives ~1.5 tokens per step for ~1.8
-rows: the rows cost what they cost, the step's fixed part (weights streamed, kernel launches, the
-host) is paid once for more tokens, and a long request finishes in fewer steps.
+rows. A draft row costs what a sequence's row costs, so drafts pay where the step's fixed part (the
+weights read once) is most of it, a step of one or a few sequences, or where nearly every draft is
+accepted (outputs that copy their prompt): `speculative_max_batch` (docs/PERFORMANCE.md, work log).
 """
 
 from __future__ import annotations
