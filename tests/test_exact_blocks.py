@@ -151,7 +151,7 @@ def test_weights_that_are_not_exactly_blocks_are_left_alone(kind, case):
 
 @avx512
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 10, 12, 13, 30])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 10, 12, 13, 30, 64])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 64), (576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_block_gemm_equals_the_float32_gemm_bit_for_bit(kind, rows, out_features, in_features, with_bias):

@@ -23,10 +23,10 @@ def bf16_rounded(t: torch.Tensor) -> torch.Tensor:
     return t.bfloat16().float()
 
 
-# Row counts around the 12-row microkernel and past a 168-row chunk (K=576); widths with a partial
+# Row counts around the 12-row microkernel, split into blocks of 10-11 (64) and past a 168-row chunk (K=576); widths with a partial
 # last panel (100, 5) and K not a multiple of anything (7).
 GEMM_SHAPES = [
-    (1, 960, 576), (3, 576, 1536), (12, 3072, 576), (13, 100, 576), (40, 5, 7), (200, 96, 576), (0, 64, 64)]
+    (1, 960, 576), (3, 576, 1536), (12, 3072, 576), (13, 100, 576), (40, 5, 7), (64, 96, 576), (200, 96, 576), (0, 64, 64)]
 
 
 @avx512

@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include "claimed_chunks.h"
+#include "row_blocks.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -185,7 +186,8 @@ constexpr Microkernel<typename F::Elem> kMicrokernels[kMaxRows + 1] = {
     &microkernel<F, 11>, &microkernel<F, 12>};
 
 // y [m, n] = x [m, K] . panels: the threads claim runs of panels, rows go in chunks whose
-// x stays in L2, each block of up to kMaxRows rows is one microkernel call over the whole K.
+// x stays in L2, split evenly into blocks of up to kMaxRows rows (row_blocks.h: 64 rows 502 -> 529 GFLOPS
+// on a [576, 3072] weight in cache, AMD EPYC Zen 5 VM), each one microkernel call over the whole K.
 // `steps` is K (float32) or K / 2 (bfloat16 pairs); `ldx` is x's row stride in elements.
 template <typename Elem>
 void run_panels(const Elem* xp, int64_t ldx, const Elem* wp, int64_t steps, int64_t panels, int64_t m, int64_t n,
@@ -207,9 +209,11 @@ void run_panels(const Elem* xp, int64_t ldx, const Elem* wp, int64_t steps, int6
         const Elem* panel = wp + p * panel_elems;
         const int64_t col0 = p * kPanel;
         const int64_t cols = std::min(kPanel, n - col0);
-        for (int64_t r0 = m0; r0 < m1; r0 += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r0));
-          const bool pf = prefetch && r0 == m0;
+        const tritonllm::RowBlocks row_blocks(m1 - m0, kMaxRows);
+        for (int64_t blk = 0; blk < row_blocks.count; ++blk) {
+          const int64_t r0 = m0 + row_blocks.start(blk);
+          const int rows = row_blocks.rows(blk);
+          const bool pf = prefetch && blk == 0;
           if (cols == kPanel) {
             microkernels[rows](xp + r0 * ldx, ldx, panel, steps, yp + r0 * n + col0, n, bias ? bias + col0 : nullptr, pf);
           } else {
