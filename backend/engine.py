@@ -76,7 +76,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.scheduling_policy, config.kv_window,
                                    config.kv_window_ratio, config.kv_sink_tokens, config.reserve_known_growth,
-                                   self._speculative_tokens(config), config.speculative_max_batch)
+                                   self._speculative_tokens(config), config.speculative_max_batch,
+                                   config.speculative_min_acceptance)
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _StreamState] = {}
         self._add_lock = threading.Lock()  # add_request may be called from other threads

@@ -12,6 +12,9 @@ On the default model's replay outputs a draft of up to 4 tokens gives ~1.5 token
 rows. A draft row costs what a sequence's row costs, so drafts pay where the step's fixed part (the
 weights read once) is most of it, a step of one or a few sequences, or where nearly every draft is
 accepted (outputs that copy their prompt): `speculative_max_batch` (docs/PERFORMANCE.md, work log).
+Beyond that many sequences, a sequence drafts while its own drafts keep being accepted
+(`DraftAcceptance`, `speculative_min_acceptance`): it is tracked on every decode, also from the
+draft it would have made, which costs a lookup and no row.
 """
 
 from __future__ import annotations
@@ -43,6 +46,35 @@ class NgramIndex:
                 if found is not None:
                     return tokens[found:found + max_tokens]
         return []
+
+
+class DraftAcceptance:
+    """How often a sequence's draft tokens turn out to be the tokens it then chooses: an exponential
+    average over draft positions (each one counted while the positions before it were right), starting
+    at 0, so a sequence earns drafts in larger steps with 13 right guesses in a row (at a 0.8 bar).
+
+    `expect` records the draft (or, in a step without drafts, the guess) made at a position; the next
+    `settle`, once the sequence has grown past it, scores it against the tokens it got."""
+
+    WEIGHT = 1 / 8  # of the newest position in the average
+
+    def __init__(self) -> None:
+        self.rate = 0.0
+        self._position = 0
+        self._guess: list[int] = []
+
+    def expect(self, position: int, guess: list[int]) -> None:
+        self._position, self._guess = position, guess
+
+    def settle(self, tokens: list[int]) -> None:
+        known = tokens[self._position:self._position + len(self._guess)]
+        for guessed, got in zip(self._guess, known):
+            right = guessed == got
+            self.rate += self.WEIGHT * (right - self.rate)
+            if not right:
+                break
+        if known:
+            self._guess = []
 
 
 def can_draft(seq: Sequence) -> bool:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, KVCopy
-from .ngram_draft import draft_for
+from .ngram_draft import DraftAcceptance, draft_for
 from .window_pool import WindowPoolBlockManager
 from .sequence import FinishReason, Sequence, SequenceStatus
 
@@ -53,7 +53,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager | WindowPoolBlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs", kv_window: int = 0,
                  kv_window_ratio: float = 0.0, kv_sink_tokens: int = 0, reserve_known_growth: bool = False,
-                 speculative_tokens: int = 0, speculative_max_batch: int = 0):
+                 speculative_tokens: int = 0, speculative_max_batch: int = 0, speculative_min_acceptance: float = 1.0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -68,6 +68,8 @@ class Scheduler:
         self.reserve_known_growth = reserve_known_growth
         self.speculative_tokens = speculative_tokens  # most draft tokens a decode feeds per step (0: none)
         self.speculative_max_batch = speculative_max_batch  # ... in steps of at most this many sequences
+        # ... and in larger steps for a sequence whose drafts are right at least this often (1: never)
+        self.speculative_min_acceptance = speculative_min_acceptance
 
     # ---- queues ----------------------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple:
@@ -179,23 +181,29 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new, kv_copies))
             budget -= num_new
 
-        # 3. Speculative drafts (ngram_draft.py) for the decodes of a step of few sequences, in the budget and
-        # free blocks left over: never at the cost of a prompt chunk or of another sequence's blocks. Not
-        # under recent-window pruning: a draft row would see the blocks that decoding up to it would have dropped.
-        if (self.speculative_tokens and not num_preempted and len(scheduled) <= self.speculative_max_batch
+        # 3. Speculative drafts (ngram_draft.py) for the decodes of a step of few sequences, or of any step
+        # for a sequence whose drafts keep being right, in the budget and free blocks left over: never at
+        # the cost of a prompt chunk or of another sequence's blocks. Not under recent-window pruning: a
+        # draft row would see the blocks that decoding up to it would have dropped.
+        few = len(scheduled) <= self.speculative_max_batch
+        if (self.speculative_tokens and not num_preempted and (few or self.speculative_min_acceptance < 1)
                 and not (self.kv_window or self.kv_window_ratio)):
             for item in scheduled:
-                if budget <= 0:
-                    break
                 seq = item.seq
                 if item.num_new_tokens != 1 or seq.num_uncomputed_tokens != 1:
                     continue
-                draft = draft_for(seq, min(self.speculative_tokens, budget), self.max_model_len)
-                if draft and bm.can_append(seq, seq.num_tokens + len(draft)):
+                if seq.draft_acceptance is None:
+                    seq.draft_acceptance = DraftAcceptance()
+                record = seq.draft_acceptance
+                record.settle(seq.token_ids)
+                drafting = budget > 0 and (few or record.rate >= self.speculative_min_acceptance)
+                draft = draft_for(seq, min(self.speculative_tokens, budget) if drafting else 1, self.max_model_len)
+                if drafting and draft and bm.can_append(seq, seq.num_tokens + len(draft)):
                     bm.append_slots(seq, seq.num_tokens + len(draft))
                     item.draft = draft
                     item.num_new_tokens += len(draft)
                     budget -= len(draft)
+                record.expect(seq.num_tokens, draft)  # a draft not fed is still a guess to score
 
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_preempted)
 

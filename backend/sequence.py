@@ -79,6 +79,7 @@ class Sequence:
         # p + 1 (prompt_logprobs.py), filled as the prompt's chunks run
         self.prompt_logprobs: list[list[tuple[int, float, int]]] = []
         self.ngram_index = None  # where its n-grams last ended, for speculative drafts (ngram_draft.py; made on first use)
+        self.draft_acceptance = None  # how often its drafts are right (ngram_draft.DraftAcceptance; made on first use)
 
     @property
     def num_tokens(self) -> int:

@@ -8,7 +8,7 @@ import pytest
 
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
 from tritonllm.config import ConfigError, EngineConfig
-from tritonllm.ngram_draft import NgramIndex, accepted_tokens
+from tritonllm.ngram_draft import DraftAcceptance, NgramIndex, accepted_tokens
 from tritonllm.sampling_params import SamplingParams
 
 COPY_PROMPT = "Repeat the following text word for word.\n\n" + LONG_TEXT[:600]
@@ -44,17 +44,47 @@ def test_accepted_tokens_stop_at_the_first_draft_token_the_model_did_not_choose(
 def test_speculative_tokens_must_not_be_negative():
     with pytest.raises(ConfigError, match="speculative_tokens"):
         EngineConfig(speculative_tokens=-1)
+    with pytest.raises(ConfigError, match="speculative_min_acceptance"):
+        EngineConfig(speculative_min_acceptance=1.5)
+
+
+def test_draft_acceptance_scores_each_position_up_to_the_first_wrong_one():
+    record = DraftAcceptance()
+    record.expect(3, [7, 8, 9])
+    record.settle([0, 1, 2, 7, 8])  # 7 and 8 right, 9 not known yet
+    assert record.rate == pytest.approx(1 - (7 / 8) ** 2)
+    record.settle([0, 1, 2, 7, 8, 5])  # scored once only
+    assert record.rate == pytest.approx(1 - (7 / 8) ** 2)
+    before = record.rate
+    record.expect(6, [4, 4])
+    record.settle([0, 1, 2, 7, 8, 5, 3, 4])  # the first wrong: one miss, the rest not counted
+    assert record.rate == pytest.approx(before * 7 / 8)
+    record.expect(8, [1])
+    record.settle([0, 1, 2, 7, 8, 5, 3, 4])  # nothing new yet: kept for the next settle
+    record.settle([0, 1, 2, 7, 8, 5, 3, 4, 1])
+    assert record.rate == pytest.approx(before * 7 / 8 + (1 - before * 7 / 8) / 8)
+
+
+def test_thirteen_right_guesses_in_a_row_earn_drafts_at_the_default_bar():
+    record, tokens = DraftAcceptance(), []
+    for n in range(40):
+        record.expect(len(tokens), [n])
+        tokens.append(n)
+        record.settle(tokens)
+        if record.rate >= EngineConfig().speculative_min_acceptance:
+            break
+    assert n + 1 == 13
 
 
 # ---- on the engine: the tokens of one-at-a-time decoding ----------------------------------------
 @pytest.fixture
 def speculating(engine):
-    """The shared engine with drafts of up to 4 tokens in steps of up to 8 sequences, for one test."""
+    """The shared engine with drafts of up to 4 tokens in steps of up to 8 sequences (and only there), for one test."""
     scheduler = engine.scheduler
-    saved = scheduler.speculative_tokens, scheduler.speculative_max_batch
-    scheduler.speculative_tokens, scheduler.speculative_max_batch = 4, 8
+    saved = scheduler.speculative_tokens, scheduler.speculative_max_batch, scheduler.speculative_min_acceptance
+    scheduler.speculative_tokens, scheduler.speculative_max_batch, scheduler.speculative_min_acceptance = 4, 8, 1.0
     yield engine
-    scheduler.speculative_tokens, scheduler.speculative_max_batch = saved
+    scheduler.speculative_tokens, scheduler.speculative_max_batch, scheduler.speculative_min_acceptance = saved
 
 
 def _run(engine, prompts, params, spec: bool, chat: bool = True):
@@ -121,3 +151,20 @@ def test_many_sequences_take_no_drafts_and_the_prefix_cache_holds_accepted_token
     assert again.num_cached_prompt_tokens >= (len(full) - 1) // bs * bs - bs
     assert again.token_ids == [full[-1]]
     assert not math.isnan(first.logprobs[0])
+
+
+def test_sequences_whose_drafts_keep_being_right_draft_in_larger_steps(speculating):
+    # Nine copying sequences, more than speculative_max_batch: each drafts once its guesses have been
+    # right often enough, and the tokens are those of decoding one at a time.
+    prompts = [f"{COPY_PROMPT} ({i})" for i in range(9)]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    plain, plain_steps = _run(speculating, prompts, params, spec=False)
+    speculating.scheduler.speculative_min_acceptance = 0.8
+    drafted, drafted_steps = _run(speculating, prompts, params, spec=True)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert [o.logprobs for o in drafted] == [o.logprobs for o in plain]
+    assert drafted_steps < plain_steps - 10
+    # Free text at a bar no average reaches: no drafts, the same steps.
+    speculating.scheduler.speculative_min_acceptance = 1.0
+    again, again_steps = _run(speculating, prompts, params, spec=True)
+    assert again_steps == plain_steps and [o.token_ids for o in again] == [o.token_ids for o in plain]
