@@ -54,9 +54,10 @@ class EngineConfig:
     # it pays where the step's fixed part (the weights streamed once) outweighs its rows, or where most
     # drafts are accepted (outputs that copy their prompt; docs/PERFORMANCE.md, engine work log)
     speculative_max_batch: int = 1
-    # ... and in larger steps for a sequence whose draft tokens have been right at least this often (an
-    # average kept per sequence, also from the drafts it would have made; 1: never): at ~0.8 a draft row
-    # gives about what a sequence's row gives at 16 sequences, and outputs that copy their prompt do better
+    # ... and in larger steps for a sequence whose drafts keep being right: its j-th draft token while
+    # rate^j >= this, rate being how often its draft positions were right (an average kept per sequence,
+    # also from the drafts it would have made; scheduler._trusted_draft_length; 1: never). A draft row
+    # costs about what a sequence's row costs, so at 0.8 it gives about what a row gives at ~16 sequences
     speculative_min_acceptance: float = 0.8
     num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default; per rank with tensor parallelism)
     # CPU linears, weights packed once: our AVX-512 kernel (avx512; else onednn), the same on bfloat16

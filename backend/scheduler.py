@@ -196,8 +196,9 @@ class Scheduler:
                     seq.draft_acceptance = DraftAcceptance()
                 record = seq.draft_acceptance
                 record.settle(seq.token_ids)
-                drafting = budget > 0 and (few or record.rate >= self.speculative_min_acceptance)
-                draft = draft_for(seq, min(self.speculative_tokens, budget) if drafting else 1, self.max_model_len)
+                length = self.speculative_tokens if few else self._trusted_draft_length(record.rate)
+                drafting = budget > 0 and length > 0
+                draft = draft_for(seq, min(length, budget) if drafting else 1, self.max_model_len)
                 if drafting and draft and bm.can_append(seq, seq.num_tokens + len(draft)):
                     bm.append_slots(seq, seq.num_tokens + len(draft))
                     item.draft = draft
@@ -206,6 +207,17 @@ class Scheduler:
                 record.expect(seq.num_tokens, draft)  # a draft not fed is still a guess to score
 
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_preempted)
+
+    def _trusted_draft_length(self, rate: float) -> int:
+        """Draft tokens for a sequence whose draft positions are right at `rate`, in a step of more than
+        speculative_max_batch sequences: the j-th is taken while rate^j, the chance that it is accepted
+        (the ones before it too), stays at or above speculative_min_acceptance."""
+        bar = self.speculative_min_acceptance
+        length, chance = 0, rate
+        while bar < 1 and length < self.speculative_tokens and chance >= bar:
+            length += 1
+            chance *= rate
+        return length
 
     def _known_growth(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, int]]:
         """(tokens held, tokens certain to be held) of each running sequence (see `_known_growth_of`)."""

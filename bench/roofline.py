@@ -110,9 +110,11 @@ def decode_step(model_dir: Path, threads: int, prompt_ids: list[list[int]], batc
     max_tokens = prefill_steps + warm_steps + steps + 8
     block = 16
     blocks = sum(-(-(len(p) + max_tokens) // block) for p in prompts) + 64
+    # No speculative drafts: the step timed is one of `batch` rows (a sequence whose text repeats itself
+    # would otherwise earn drafts, and its extra rows would count as the same batch).
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_threads=threads,
                                  max_num_seqs=batch, max_num_batched_tokens=budget, block_size=block,
-                                 num_kv_blocks=blocks))
+                                 num_kv_blocks=blocks, speculative_tokens=0))
     pool_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in engine.runner.kv_caches)
     params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
     ids = [engine.add_request(prompt_token_ids=p, params=params) for p in prompts]
