@@ -68,7 +68,8 @@ class Scheduler:
         self.reserve_known_growth = reserve_known_growth
         self.speculative_tokens = speculative_tokens  # most draft tokens a decode feeds per step (0: none)
         self.speculative_max_batch = speculative_max_batch  # ... in steps of at most this many sequences
-        # ... and in larger steps for a sequence whose drafts are right at least this often (1: never)
+        # ... and in larger steps, the j-th draft token of a sequence whose drafts are right at a rate with
+        # rate^j at least this (_trusted_draft_length; 1: never)
         self.speculative_min_acceptance = speculative_min_acceptance
 
     # ---- queues ----------------------------------------------------------------------------
