@@ -49,7 +49,7 @@ def test_bench_bad_scenario_fails_cleanly(tmp_path):
     assert "Traceback" not in proc.stderr and "unknown dist" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["smoke", "seed_replay", "chat_mixed"])
+@pytest.mark.parametrize("name", ["smoke", "seed_replay", "seed_replay_saturating", "chat_mixed"])
 def test_shipped_scenarios_are_valid_and_deterministic(name):
     from tritonllm_client.workload import build_requests, load_scenario
 
@@ -71,6 +71,15 @@ def test_seed_replay_matches_its_brief():
     reqs = build_requests(sc)
     assert sc.num_requests == 64 and sc.interval_s == 0.25 and sc.ignore_eos
     assert all(16 <= r.prompt_words <= 128 and 96 <= r.max_tokens <= 256 for r in reqs)
+
+
+def test_saturating_replay_sends_the_seed_replays_requests_sooner():
+    from tritonllm_client.workload import build_requests, load_scenario
+
+    paced = build_requests(load_scenario(SCENARIOS / "seed_replay.yaml"))
+    saturating = build_requests(load_scenario(SCENARIOS / "seed_replay_saturating.yaml"))
+    assert [(r.prompt, r.max_tokens) for r in saturating] == [(r.prompt, r.max_tokens) for r in paced]
+    assert saturating[-1].send_offset_s == pytest.approx(6.3)
 
 
 def test_distributions_and_overrides():
