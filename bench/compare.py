@@ -300,16 +300,15 @@ class Comparison:
     def run_peers(self, which: list[str]) -> None:
         import peer_servers as peers
         from hf_baselines import chat_token_ids
-        from tritonllm.server import free_port
 
         a = self.args
         ids = [chat_token_ids(self.tokenizer, s.prompt) for s in self.specs]
         specs = []
         if "vllm" in which:
-            specs.append(peers.vllm_spec(a.vllm_python, self.model_dir, free_port(), a.threads, a.vllm_max_num_seqs, 2048))
+            specs.append(peers.vllm_spec(a.vllm_python, self.model_dir, a.threads, a.vllm_max_num_seqs, 2048))
         if "llamacpp" in which:
             per_slot = -(-(max(map(len, ids)) + max(s.max_tokens for s in self.specs) + 16) // 256) * 256
-            specs += [peers.llama_spec(a.llama_server, self.gguf, free_port(), a.threads, n, per_slot)
+            specs += [peers.llama_spec(a.llama_server, self.gguf, a.threads, n, per_slot)
                       for n in a.llama_slots]
         for spec in specs:
             if not spec.available:
@@ -321,16 +320,15 @@ class Comparison:
     def run_peer(self, spec, ids: list[list[int]]) -> None:
         from hf_baselines import chat_token_ids
         from openai_stream import OpenAIPool
-        from peer_servers import SERVED_MODEL_NAME, PeerServer
+        from peer_servers import SERVED_MODEL_NAME, start_on_free_port
         from tritonllm_client.bench import _params_for, run_requests
         from tritonllm_client.report import summarize
 
         hello = "Hello!"
         mapping = {s.prompt: i for s, i in zip(self.specs, ids)}
         mapping[hello] = chat_token_ids(self.tokenizer, hello)
-        port = int(spec.command[spec.command.index("--port") + 1])
-        with PeerServer(spec, port, self.out / f"{spec.name}.log") as server:
-            pool = OpenAIPool("127.0.0.1", port, SERVED_MODEL_NAME, mapping)
+        with start_on_free_port(spec, self.out / f"{spec.name}.log") as server:
+            pool = OpenAIPool("127.0.0.1", server.port, SERVED_MODEL_NAME, mapping)
             try:
                 client = pool.acquire()
                 first = client.generate(hello, _params_for(self.scenario, 1), timeout_s=300)

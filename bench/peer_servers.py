@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 SERVED_MODEL_NAME = "smollm2"
+PORT = "{port}"  # stands for the loopback port in a PeerSpec's command until the server is launched
 
 
 @dataclass
@@ -35,6 +36,18 @@ class PeerSpec:
     available: bool = True
     why: str = ""
 
+    def on_port(self, port: int) -> list[str]:
+        """The command with `port` in place of PORT."""
+        return [str(port) if arg == PORT else arg for arg in self.command]
+
+
+class PortTakenError(RuntimeError):
+    """The server exited at start-up because its port was no longer free."""
+
+
+# What the peers print when their port is taken: llama-server's and uvicorn's (vLLM) words.
+_PORT_TAKEN = ("couldn't bind", "address already in use")
+
 
 class PeerServer:
     """A peer server as a child process in its own session, so its worker processes stop with it."""
@@ -43,6 +56,7 @@ class PeerServer:
         self.spec, self.port, self.log_path = spec, port, Path(log_path)
         self.process: Optional[subprocess.Popen] = None
         self.started_at: Optional[float] = None
+        self._log_start = 0  # where this launch's lines begin in the (appended) log
 
     def _healthy(self) -> bool:
         try:
@@ -52,9 +66,13 @@ class PeerServer:
             return False
 
     def log_tail(self, lines: int = 30) -> str:
+        """The last lines this launch wrote to the log."""
         if not self.log_path.is_file():
             return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_start)
+            text = log.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
 
     def start(self) -> "PeerServer":
         """Launch and wait for /health (200 once the model is loaded); raise with the log's tail."""
@@ -62,14 +80,17 @@ class PeerServer:
         env = {**os.environ, **self.spec.env}
         self.started_at = time.perf_counter()
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.spec.command, stdout=log, stderr=subprocess.STDOUT,
+            self._log_start = log.tell()
+            self.process = subprocess.Popen(self.spec.on_port(self.port), stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         deadline = time.monotonic() + self.spec.startup_timeout_s
         try:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"{self.spec.name} exited with code {self.process.returncode} during "
-                                       f"start-up (log {self.log_path}):\n{self.log_tail()}")
+                    tail = self.log_tail()
+                    error = PortTakenError if any(words in tail.lower() for words in _PORT_TAKEN) else RuntimeError
+                    raise error(f"{self.spec.name} exited with code {self.process.returncode} during "
+                                f"start-up (log {self.log_path}):\n{tail}")
                 if self._healthy():
                     return self
                 time.sleep(0.5)
@@ -95,13 +116,29 @@ class PeerServer:
                 continue
 
     def __enter__(self) -> "PeerServer":
-        return self.start()
+        return self if self.process is not None else self.start()  # start_on_free_port's is started already
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-def vllm_spec(python: Optional[str], model_dir: Path, port: int, threads: int, max_num_seqs: int,
+def start_on_free_port(spec: PeerSpec, log_path: Path, attempts: int = 3) -> PeerServer:
+    """Start `spec` on a loopback port picked just before the launch. Another process can still take
+    the port before the server binds it (a client connection's ephemeral port, say), so a start-up
+    that fails for that reason is tried again on a new port."""
+    from tritonllm.server import free_port
+
+    for attempt in range(attempts):
+        try:
+            return PeerServer(spec, free_port(), log_path).start()
+        except PortTakenError:
+            if attempt == attempts - 1:
+                raise
+            print(f"  {spec.name}: its port was taken before it bound it; trying another", flush=True)
+    raise AssertionError("unreachable")
+
+
+def vllm_spec(python: Optional[str], model_dir: Path, threads: int, max_num_seqs: int,
               max_model_len: int) -> PeerSpec:
     """vLLM CPU's OpenAI server on our safetensors folder, fp32, at most `max_num_seqs` sequences."""
     desc = f"vLLM CPU, OpenAI server, fp32, max_num_seqs={max_num_seqs}"
@@ -125,12 +162,12 @@ def vllm_spec(python: Optional[str], model_dir: Path, port: int, threads: int, m
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", SERVED_MODEL_NAME, "--dtype", "float32",
                "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
-               "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+               "--host", "127.0.0.1", "--port", PORT, "--seed", "0"]
     return PeerSpec("vllm", f"vLLM CPU {version}, OpenAI server, fp32, max_num_seqs={max_num_seqs}",
                     command, env, startup_timeout_s=900.0)
 
 
-def llama_spec(binary: Optional[str], gguf: Path, port: int, threads: int, slots: int, ctx_per_slot: int) -> PeerSpec:
+def llama_spec(binary: Optional[str], gguf: Path, threads: int, slots: int, ctx_per_slot: int) -> PeerSpec:
     """llama.cpp's native `llama-server` on the packaged GGUF with `slots` parallel sequences."""
     name = f"llamacpp-{slots}"
     desc = f"llama.cpp llama-server, {gguf.name} (4-bit weights), {slots} slots"
@@ -138,7 +175,7 @@ def llama_spec(binary: Optional[str], gguf: Path, port: int, threads: int, slots
     if not binary or not Path(binary).is_file():
         return PeerSpec(name, desc, available=False,
                         why="skipped (not installed): give --llama-server or put llama-server on PATH")
-    command = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-a", SERVED_MODEL_NAME,
+    command = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", PORT, "-a", SERVED_MODEL_NAME,
                "-t", str(threads), "-tb", str(threads), "-np", str(slots),
                # the context is shared by the slots: each needs its longest prompt plus output
                "-c", str(slots * ctx_per_slot), "--seed", "0"]
