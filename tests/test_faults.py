@@ -324,7 +324,10 @@ def test_disconnect_storm_aborts_what_the_dead_clients_asked_for(triton_server):
 
 # ---- 3. overload ---------------------------------------------------------------------------------
 def test_requests_beyond_capacity_queue_and_all_finish(triton_server):
-    n, max_tokens = 80, 16  # more than max_num_seqs (64): some must wait
+    # More than max_num_seqs (64), each long enough (64 steps of a full batch, seconds) that the first
+    # 64 are still running when the last 16 arrive: with 16 tokens the first ones could finish while
+    # the probes were still being opened one by one, and then none ever waited.
+    n, max_tokens = 80, 64
     before = scrape(triton_server.metrics_url)
     max_waiting = [0.0]
     stop = threading.Event()
@@ -332,7 +335,7 @@ def test_requests_beyond_capacity_queue_and_all_finish(triton_server):
     def watch():
         while not stop.is_set():
             max_waiting[0] = max(max_waiting[0], busy(scrape(triton_server.metrics_url))["waiting"])
-            time.sleep(0.1)
+            time.sleep(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
