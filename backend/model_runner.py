@@ -282,7 +282,11 @@ class ModelRunner:
             try:
                 hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, dev.meta)
             except RuntimeError as exc:  # a collective failed: say which worker, if one died
-                time.sleep(0.3)  # the watchdog polls every 0.1 s
+                # The watchdog polls the workers every 0.1 s; on a starved machine it may take longer
+                # to run, so wait for its word (bounded) rather than a fixed moment.
+                deadline = time.monotonic() + 5.0
+                while not self.failure and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 if self.failure:
                     raise TensorParallelError(self.failure) from exc
                 raise

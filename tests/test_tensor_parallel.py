@@ -213,4 +213,4 @@ def test_a_worker_that_cannot_load_fails_the_engine_start_with_its_reason(model_
     started = time.monotonic()
     with pytest.raises(TensorParallelError, match="rank 1 failed to load: .*nonexistent"):
         Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=2, warmup=False))
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 300  # well under the workers' 600 s start-up limit: no hang
