@@ -109,7 +109,7 @@ class Comparison:
 
     def __init__(self, args: argparse.Namespace):
         from transformers import AutoTokenizer
-        from tritonllm.model_files import packaged_default_gguf, resolve_model_dir
+        from tritonllm.models.model_files import packaged_default_gguf, resolve_model_dir
         from tritonllm_client.workload import build_requests, load_scenario
 
         self.args = args
@@ -204,7 +204,7 @@ class Comparison:
     def run_ours_variant(self, name: str) -> None:
         """One of our opt-in GEMM paths (ours_bf16, ours_amx): the replay only, or a skipped row where
         this CPU lacks what it needs."""
-        from tritonllm import cpu_kernels
+        from tritonllm.devices.cpu import kernels as cpu_kernels
 
         overrides, supported, missing = {
             "ours_bf16": ({"cpu_gemm": "avx512_bf16"}, cpu_kernels.packed_gemm_bf16_supported, "AVX512-BF16"),

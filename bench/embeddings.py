@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 def make_texts(n: int, seed: int = 0, max_tokens: int = 256) -> list[str]:
     """Mostly sentences (5-30 words), a quarter paragraphs (30-100 words); none over max_tokens."""
     from transformers import AutoTokenizer
-    from tritonllm.embedding_config import resolve_embedding_model_dir
+    from tritonllm.embeddings.config import resolve_embedding_model_dir
 
     folder = resolve_embedding_model_dir("default")
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -63,7 +63,7 @@ def _summary(name: str, level: int, latencies: list[float], num_texts: int, seco
 def st_runner(texts: list[str]):
     """Yields run(b): sentence-transformers encode over consecutive batches of b texts."""
     from sentence_transformers import SentenceTransformer
-    from tritonllm.embedding_config import resolve_embedding_model_dir
+    from tritonllm.embeddings.config import resolve_embedding_model_dir
 
     model = SentenceTransformer(str(resolve_embedding_model_dir("default")), device="cpu")
     model.encode(texts[:64], batch_size=32)  # warm-up
@@ -117,8 +117,8 @@ def closed_loop(name: str, call, texts: list[str], concurrency: int) -> dict:
 @contextlib.contextmanager
 def engine_runner(texts: list[str], threads: int):
     """Yields run(c): our engine in this process, c closed-loop client threads."""
-    from tritonllm.embedding_config import EmbeddingConfig
-    from tritonllm.embedding_engine import EmbeddingEngine
+    from tritonllm.embeddings.config import EmbeddingConfig
+    from tritonllm.embeddings.engine import EmbeddingEngine
 
     engine = EmbeddingEngine(EmbeddingConfig(num_threads=threads))
     try:
@@ -132,7 +132,7 @@ def engine_runner(texts: list[str], threads: int):
 def server_runner(texts: list[str], threads: int):
     """Yields run(c): a tritonserver serving a copy of model_repository/minilm, c gRPC client threads."""
     import tritonclient.grpc as grpcclient
-    from tritonllm.server import TritonServer
+    from tritonllm.serving.launcher import TritonServer
 
     repo = Path(tempfile.mkdtemp(prefix="bench-minilm-"))
     shutil.copytree(REPO / "model_repository" / "minilm", repo / "minilm", ignore=shutil.ignore_patterns("__pycache__"))

@@ -16,12 +16,12 @@ import time
 
 import torch
 
-from tritonllm.block_manager import PrefixMatch
-from tritonllm.config import EngineConfig
-from tritonllm.engine import Engine
-from tritonllm.sampling_params import SamplingParams
-from tritonllm.scheduler import ScheduledSeq
-from tritonllm.sequence import Sequence
+from tritonllm.scheduling.block_manager import PrefixMatch
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.engine import Engine
+from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.scheduling.scheduler import ScheduledSeq
+from tritonllm.engine.sequence import Sequence
 
 
 def fixed_text() -> str:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from tritonllm.server import TritonServer
+from tritonllm.serving.launcher import TritonServer
 from tritonllm_client.stream import GenerationParams, StreamingClient
 
 REPO = Path(__file__).resolve().parent.parent

@@ -51,7 +51,7 @@ def gemm_rates(threads: int, hidden: int = 576, intermediate: int = 1536, vocab:
     a, b = torch.randn(2048, 2048, generator=gen), torch.randn(2048, 2048, generator=gen)
     x = torch.randn(batch, hidden, generator=gen)
     w_up, w_head = torch.randn(intermediate, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen)
-    from tritonllm import cpu_kernels
+    from tritonllm.devices.cpu import kernels as cpu_kernels
     from tritonllm.layers.linear import PackedWeight, onednn_packing_supported
 
     def both(x, w, flops) -> dict:
@@ -99,8 +99,8 @@ def decode_flops(model: nn.Module, batch: int, context_lens: list[int]) -> dict:
 def decode_step(model_dir: Path, threads: int, prompt_ids: list[list[int]], batch: int = 64,
                 warm_steps: int = 4, steps: int = 16) -> dict:
     """Time `steps` decode steps of the offline Engine with `batch` sequences all decoding."""
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
 
     prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
     budget = 512

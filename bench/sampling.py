@@ -16,9 +16,9 @@ import argparse
 import json
 import time
 
-from tritonllm.config import EngineConfig
-from tritonllm.engine import Engine
-from tritonllm.sampling_params import SamplingParams
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.engine import Engine
+from tritonllm.engine.sampling_params import SamplingParams
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
                                            "city": {"type": "string"},

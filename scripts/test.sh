@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 . .venv/bin/activate
-python -m tritonllm.model_files >/dev/null  # convert the packaged model once (cached)
+python -m tritonllm.models.model_files >/dev/null  # convert the packaged model once (cached)
 exec python -m pytest "$@"

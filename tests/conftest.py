@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from tritonllm.model_files import resolve_model_dir
+    from tritonllm.models.model_files import resolve_model_dir
 
     return resolve_model_dir("default")
 
@@ -20,8 +20,8 @@ def model_dir() -> Path:
 @pytest.fixture(scope="session")
 def engine(model_dir):
     """One engine for the offline tests (tests must leave it idle: no request left running)."""
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
 
     eng = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=1024, max_model_len=2048,
                               max_num_batched_tokens=512, max_num_seqs=32))
@@ -46,7 +46,7 @@ def tokenizer(engine):
 
 @pytest.fixture(scope="session")
 def _session_triton_server(model_dir, tmp_path_factory):
-    from tritonllm.server import TritonServer
+    from tritonllm.serving.launcher import TritonServer
 
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     server = TritonServer(REPO / "model_repository", log_path=log,
@@ -96,7 +96,7 @@ def pytest_terminal_summary(terminalreporter):
     cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor() or "unknown CPU")
     try:
-        from tritonllm import cpu_kernels
+        from tritonllm.devices.cpu import kernels as cpu_kernels
 
         amx = "AMX tiles usable" if cpu_kernels.amx_block_gemm_supported() else "no AMX tiles"
     except Exception as exc:  # noqa: BLE001 - a summary line, never a failure
@@ -118,7 +118,7 @@ def _read_lines(path: str) -> list[str]:
 @pytest.fixture(scope="session")
 def minilm_server(tmp_path_factory):
     """A real tritonserver on random loopback ports serving model_repository/minilm only."""
-    from tritonllm.server import TritonServer
+    from tritonllm.serving.launcher import TritonServer
 
     log = tmp_path_factory.mktemp("triton-minilm") / "tritonserver.log"
     server = TritonServer(REPO / "model_repository", log_path=log,
@@ -164,7 +164,7 @@ def variant_server(tmp_path_factory):
     the same one returns it. The last is stopped when the module ends. Explicit model control,
     so tests may unload and load the model.
     """
-    from tritonllm.server import TritonServer
+    from tritonllm.serving.launcher import TritonServer
 
     current: dict = {}
 

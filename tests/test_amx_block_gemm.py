@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from test_exact_blocks import MAKERS, bits, q8_weight
-from tritonllm import cpu_kernels
-from tritonllm.layers.exact_blocks import find_blocks
+from tritonllm.devices.cpu import kernels as cpu_kernels
+from tritonllm.devices.cpu.exact_blocks import find_blocks
 from tritonllm.layers.linear import AMX_MIN_ROWS, PackedWeight, choose_amx_min_rows
 
 pytestmark = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.amx_block_gemm_supported()),
@@ -88,9 +88,9 @@ def test_one_constant_threshold_for_every_weight():
 def test_engine_greedy_outputs_equal_those_of_the_float32_kernels(model_dir):
     """The default model with and without AMX: prompts of 5-40 tokens in one batch (prefill rows past
     any threshold), 24 greedy tokens each: the same ids, log-probs equal to float32 rounding."""
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
-    from tritonllm.sampling_params import SamplingParams
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
+    from tritonllm.engine.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
                "Explain, in three short sentences, why the sky looks blue during the day and red at sunset, "

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tritonllm.block_manager import BlockManager, KVCopy, PrefixMatch, chain_hash
-from tritonllm.sampling_params import SamplingParams
-from tritonllm.sequence import Sequence
+from tritonllm.scheduling.block_manager import BlockManager, KVCopy, PrefixMatch, chain_hash
+from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.engine.sequence import Sequence
 
 BS = 4
 

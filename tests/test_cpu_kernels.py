@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonllm import cpu_kernels
+from tritonllm.devices.cpu import kernels as cpu_kernels
 from tritonllm.layers.attention import AttentionGroup, _decode_group, write_kv
 from tritonllm.layers.rotary import RotaryEmbedding
 
@@ -29,7 +29,7 @@ def test_a_lock_file_left_by_a_killed_load_does_not_stop_the_next_load():
     stale = cpu_kernels._build_directory() / "lock"
     stale.touch()
     try:
-        done = subprocess.run([sys.executable, "-m", "tritonllm.cpu_kernels"], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "tritonllm.devices.cpu.kernels"], capture_output=True, text=True,
                               timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail(f"loading the kernels waited on {stale}")
@@ -204,7 +204,7 @@ def test_rope_write_kv_rejects_bad_slots_and_dtypes():
 
 @pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 49152), (64, 1000)])
 def test_greedy_head_equals_torch_path(rows, vocab):
-    from tritonllm.sampler import SamplingBatch, choose_tokens, unpack_tokens
+    from tritonllm.runner.sampler import SamplingBatch, choose_tokens, unpack_tokens
 
     gen = torch.Generator().manual_seed(rows)
     logits = torch.randn(rows, vocab, generator=gen) * 8
@@ -223,10 +223,10 @@ def test_greedy_head_equals_torch_path(rows, vocab):
 def test_prompt_chunks_through_the_kernel_equal_the_sdpa_path(decode_lengths, prompts):
     """Each prompt token goes through the decode kernel as a query row with its own causal mask."""
     from tritonllm.layers.attention import paged_attention
-    from tritonllm.sampling_params import SamplingParams
-    from tritonllm.scheduler import ScheduledSeq
-    from tritonllm.sequence import Sequence
-    from tritonllm.step_inputs import build_host_step, to_device
+    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.scheduling.scheduler import ScheduledSeq
+    from tritonllm.engine.sequence import Sequence
+    from tritonllm.runner.step_inputs import build_host_step, to_device
 
     block_size, kv_heads, heads, head_dim, num_blocks = 16, 3, 9, 64, 128
     gen = torch.Generator().manual_seed(7)
@@ -252,8 +252,8 @@ def test_prompt_chunks_through_the_kernel_equal_the_sdpa_path(decode_lengths, pr
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
 def test_engine_tokens_equal_with_and_without_kernel(kv_cache_dtype):
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
                "Once upon a time, in a small village by the mountains, there lived"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonllm import cpu_kernels
+from tritonllm.devices.cpu import kernels as cpu_kernels
 
 avx512 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
                             reason="kernels built without AVX-512 (this CPU lacks it)")
@@ -17,8 +17,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def engine(model_dir, **overrides):
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
 
     return Engine(EngineConfig(model=str(model_dir), num_threads=2, num_kv_blocks=256, warmup=False, **overrides))
 
@@ -43,7 +43,7 @@ def test_engine_outputs_equal_with_and_without_the_stack(model_dir, exact_blocks
     """Greedy ids and log-probs, bit for bit, for one request (prompt step, then decode steps of one
     row) and for three of different lengths at once (a prompt-only step, then decodes), with the
     layers as one call and as modules; with and without the exact blocks (panels at few rows too)."""
-    from tritonllm.sampling_params import SamplingParams
+    from tritonllm.engine.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     results = {}
@@ -67,7 +67,7 @@ def test_engine_outputs_equal_with_and_without_the_stack(model_dir, exact_blocks
 def test_a_mixed_step_takes_the_stack_with_the_modules_results(model_dir):
     """A step with decodes beside a prompt chunk runs two attention calls (the decodes, then the
     prompt's tokens); its ids and log-probs are the modules' bit for bit."""
-    from tritonllm.sampling_params import SamplingParams
+    from tritonllm.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=6, logprobs=True, ignore_eos=True)
     results = {}
@@ -107,7 +107,7 @@ def test_query_key_and_output_norms_run_in_the_stack_with_the_modules_results(fa
     import transformers
 
     from tiny_models import tiny_config_args, write_tiny_model
-    from tritonllm.sampling_params import SamplingParams
+    from tritonllm.engine.sampling_params import SamplingParams
 
     args = {**tiny_config_args(tokenizer), "num_hidden_layers": 3}
     config = (transformers.Qwen3Config(**args, head_dim=32) if family == "qwen3" else transformers.Olmo2Config(**args))

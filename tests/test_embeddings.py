@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
-from tritonllm.config import ConfigError
-from tritonllm.embedding_config import EmbeddingConfig, resolve_embedding_model_dir
-from tritonllm.embedding_engine import EmbeddingEngine
-from tritonllm.embedding_request import TIMESTAMPS, EmbeddingRequest, TextItem
-from tritonllm.embedding_scheduler import EmbeddingScheduler
-from tritonllm.embedding_triton_model import parse_embedding_request
+from tritonllm.engine.config import ConfigError
+from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
+from tritonllm.embeddings.engine import EmbeddingEngine
+from tritonllm.embeddings.request import TIMESTAMPS, EmbeddingRequest, TextItem
+from tritonllm.embeddings.scheduler import EmbeddingScheduler
+from tritonllm.serving.embedding_model import parse_embedding_request
 from tritonllm.layers.packed_attention import MAX_PADDING, make_groups
-from tritonllm.sampling_params import InvalidRequestError
+from tritonllm.engine.sampling_params import InvalidRequestError
 
 MAX_COSINE_DISTANCE = 1e-5
 TEXTS = CHAT_PROMPTS[:6] + PLAIN_PROMPTS[:4] + [

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
-from tritonllm.config import ConfigError, EngineConfig
-from tritonllm.engine import Engine
-from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.engine.config import ConfigError, EngineConfig
+from tritonllm.engine.engine import Engine
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 
 
 def greedy(engine, prompts, **params):
@@ -211,7 +211,7 @@ def test_engine_loop_builds_its_engine_on_the_loop_thread(engine):
     """Serving builds and warms the model on the thread that runs it (one OpenMP pool, see EngineLoop)."""
     import threading
 
-    from tritonllm.engine_loop import EngineLoop
+    from tritonllm.engine.engine_loop import EngineLoop
 
     built_on: list[str] = []
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
-from tritonllm.sampling_params import SamplingParams
+from tritonllm.engine.sampling_params import SamplingParams
 
 MAX_NEW = 24
 
@@ -93,8 +93,8 @@ def test_float16_kv_cache_halves_kv_memory_and_stays_close_to_transformers(model
     # K/V rounded to float16 (kv_cache_dtype) change the arithmetic, so exact equality is not owed;
     # what is: half the bytes per token, and greedy outputs that mostly still equal the float32
     # reference (62 of the seed replay's 64 long outputs do, docs/PERFORMANCE.md).
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
 
     half = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, kv_cache_dtype="float16", warmup=False))
     k_cache, v_cache = half.runner.kv_caches[0]

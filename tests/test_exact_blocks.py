@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonllm import cpu_kernels
-from tritonllm.layers.exact_blocks import find_blocks
+from tritonllm.devices.cpu import kernels as cpu_kernels
+from tritonllm.devices.cpu.exact_blocks import find_blocks
 from tritonllm.layers.linear import BLOCKS_MAX_ROWS, PackedWeight
 
 avx512 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
@@ -197,7 +197,7 @@ def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
     and the LM head get their blocks, and on the real weights the block GEMM gives the float32
     GEMM's results bit for bit."""
     from tritonllm.layers.linear import Linear
-    from tritonllm.loader import load_model
+    from tritonllm.models.loader import load_model
 
     model = load_model(model_dir, torch.float32, torch.device("cpu"), 256, cpu_gemm="avx512", exact_blocks=True)
     linears = [m.packed for m in model.modules() if isinstance(m, Linear)]
@@ -220,9 +220,9 @@ def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
 def test_engine_outputs_equal_with_and_without_the_blocks(model_dir):
     """Greedy ids and log-probs, bit for bit, at one row (the exact head instead of the screen) and at
     three rows (the layers on their blocks, the screen for the head), with the blocks on and off."""
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
-    from tritonllm.sampling_params import SamplingParams
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
+    from tritonllm.engine.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     results = {}

@@ -688,8 +688,8 @@ def test_top_k_past_int64_samples_like_no_limit(triton_server):
 @pytest.fixture(scope="module")
 def small_engine(model_dir):
     """A small engine of its own: these tests break it on purpose."""
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
 
     return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=512, max_num_seqs=2,
                                warmup=False))
@@ -711,8 +711,8 @@ def _broken_execute(inputs):
 
 
 def test_engine_thread_dying_fails_every_request_and_refuses_new_ones(small_engine, monkeypatch):
-    from tritonllm.engine_loop import EngineDeadError, EngineLoop
-    from tritonllm.sampling_params import SamplingParams
+    from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
+    from tritonllm.engine.sampling_params import SamplingParams
 
     engine = small_engine
     loop = EngineLoop(engine)
@@ -753,8 +753,8 @@ def test_a_request_submitted_while_the_engine_dies_is_not_lost(small_engine, mon
     The request must then be refused (EngineDeadError) or answered with an error, never queued
     into an inbox nobody drains again.
     """
-    from tritonllm.engine_loop import EngineDeadError, EngineLoop
-    from tritonllm.sampling_params import SamplingParams
+    from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
+    from tritonllm.engine.sampling_params import SamplingParams
 
     engine = small_engine
     loop = EngineLoop(engine)

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from tritonllm import cpu_kernels
-from tritonllm.layers.greedy_screen import GreedyScreen, error_bound_factor
+from tritonllm.devices.cpu import kernels as cpu_kernels
+from tritonllm.devices.cpu.greedy_screen import GreedyScreen, error_bound_factor
 
 avx512_bf16 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_bf16_supported()),
                                  reason="kernels built without AVX512-BF16 (this CPU lacks it)")
@@ -85,9 +85,9 @@ def test_screen_rejects_bad_shapes_and_gives_id_0_for_a_nan_row():
 
 @avx512_bf16
 def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_asked(model_dir):
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
-    from tritonllm.sampling_params import SamplingParams
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
+    from tritonllm.engine.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
                "Once upon a time, in a small village by the mountains, there lived"]
@@ -121,9 +121,9 @@ def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_pat
 
     from safetensors.torch import load_file, save_file
 
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
-    from tritonllm.sampling_params import SamplingParams
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
+    from tritonllm.engine.sampling_params import SamplingParams
 
     untied = tmp_path / "untied"
     shutil.copytree(model_dir, untied, ignore=shutil.ignore_patterns("*.safetensors"))

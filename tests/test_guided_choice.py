@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 
 CHOICES = ["The Eiffel Tower", "The Louvre museum", "The Seine", "Notre-Dame de Paris", "The"]
 PROMPT = "Name the most famous sight of Paris in a few words."

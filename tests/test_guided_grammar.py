@@ -10,10 +10,10 @@ import json
 import pytest
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.guided_grammar import GrammarVocabulary, GuidedGrammar, compile_grammar
-from tritonllm.guided_regex import GuidedRegex, VocabularyTrie
-from tritonllm.regex_automaton import RegexAutomaton
-from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.guided.grammar import GrammarVocabulary, GuidedGrammar, compile_grammar
+from tritonllm.guided.regex import GuidedRegex, VocabularyTrie
+from tritonllm.guided.regex_automaton import RegexAutomaton
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 
 # Lists of numbers nested to any depth: not a regular language, so no regular expression guide can follow it.
 NESTED_GBNF = """

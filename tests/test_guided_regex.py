@@ -12,9 +12,9 @@ import pytest
 import regex  # transformers' tokenizer dependency: its partial matching is the independent oracle here
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.guided_regex import GuidedRegex, VocabularyTrie
-from tritonllm.regex_automaton import DEAD, RegexAutomaton
-from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.guided.regex import GuidedRegex, VocabularyTrie
+from tritonllm.guided.regex_automaton import DEAD, RegexAutomaton
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 
 PATTERNS = [r"a[^\"x-z\d]*|(b{2,3})\.?", r"\d{3}-\d{4}", r"(ab|a)*c?", r"[a-c]+?b", r"x.y", r"(?s)x.y",
             r"\w+\s\W", r"^(yes|no)$", r"[^a]{0,3}", r"(a|b|)+c{1,2}", r"\Aab\Z"]

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.guided_decoding import Guides
-from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.guided.decoding import Guides
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 
 PROMPT = "What's the weather like in Paris today? Answer in one sentence."
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}},

@@ -53,7 +53,7 @@ def _run(server, requests: dict[str, str]) -> dict:
     ({}, "smollm2_0"),
 ])
 def test_instance_label_is_unique_per_instance(args, label):
-    from tritonllm.triton_model import instance_label
+    from tritonllm.serving.generate_model import instance_label
 
     assert instance_label(args, "smollm2") == label
 

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.json_schema_regex import any_object_regex, json_schema_regex
-from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.guided.json_schema_regex import any_object_regex, json_schema_regex
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 
 PERSON = {
     "type": "object",

@@ -8,13 +8,13 @@ import torch
 
 from grpc_stream import StreamClient, make_inputs
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
-from tritonllm.guided_choice import GuidedChoice
-from tritonllm.guided_regex import GuidedRegex, VocabularyTrie
-from tritonllm.logit_adjustments import LogitAdjustments
-from tritonllm.regex_automaton import RegexAutomaton
-from tritonllm.sampling_params import InvalidRequestError, SamplingParams
-from tritonllm.scheduler import ScheduledSeq
-from tritonllm.sequence import Sequence
+from tritonllm.guided.choice import GuidedChoice
+from tritonllm.guided.regex import GuidedRegex, VocabularyTrie
+from tritonllm.runner.logit_adjustments import LogitAdjustments
+from tritonllm.guided.regex_automaton import RegexAutomaton
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.scheduling.scheduler import ScheduledSeq
+from tritonllm.engine.sequence import Sequence
 
 MAX_NEW = 24
 

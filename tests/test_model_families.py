@@ -10,9 +10,9 @@ import torch
 import transformers
 
 from tiny_models import tiny_config_args, write_tiny_model
-from tritonllm.config import EngineConfig
-from tritonllm.engine import Engine
-from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.engine import Engine
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 
 PROMPTS = ["The capital of France is a city that", "def fibonacci(n):", "Once upon a time, in a land far away, there"]
 MAX_TOKENS = 24

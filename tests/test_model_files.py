@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tritonllm import model_files
+from tritonllm.models import model_files
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tritonllm.server import TritonServer
+from tritonllm.serving.launcher import TritonServer
 
 pytestmark = pytest.mark.server
 

@@ -40,14 +40,14 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def _start(tmp_path: Path):
-    from tritonllm.server import TritonServer
+    from tritonllm.serving.launcher import TritonServer
 
     repo = write_variant_repo(tmp_path / "repo", warmup="false")
     server = TritonServer(repo, log_path=tmp_path / "tritonserver.log",
                           extra_args=["--model-control-mode=explicit", "--load-model=smollm2"])
     server.start()
     [stub] = children(server.process.pid, "triton_python_backend_stub")
-    [guard] = children(stub, "tritonllm.orphan_guard")
+    [guard] = children(stub, "tritonllm.serving.orphan_guard")
     return server, stub, guard
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonllm import cpu_kernels
+from tritonllm.devices.cpu import kernels as cpu_kernels
 from tritonllm.layers.linear import PackedWeight, resolve_cpu_gemm
 
 needs_compiler = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
@@ -147,8 +147,8 @@ def test_cpu_gemm_falls_back_where_the_kernel_cannot_run():
 
 @avx512
 def test_engine_tokens_equal_on_every_cpu_gemm():
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
 
     prompts = ["The capital of France is", "Write a haiku about the sea.",
                "Once upon a time, in a small village by the mountains, there lived"]
@@ -169,8 +169,8 @@ def test_engine_with_bf16_gemm_equals_float32_with_bf16_rounded_gemm_operands():
     The reference is the plain-torch engine with its Linear weights rounded and a hook rounding
     their inputs; the tied LM head rounds its own copy (the embedding lookup keeps float32). Requests
     without log-probs take the greedy screen, whose ids are a float32 head's on the same hidden states."""
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
     from tritonllm.layers.linear import Linear
 
     prompts = ["The capital of France is", "Write a haiku about the sea.",

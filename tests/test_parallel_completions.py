@@ -8,7 +8,7 @@ import pytest
 
 from grpc_stream import StreamClient, make_inputs, metric, scrape, wait_for_kv_blocks_in_use
 from prompts import LONG_TEXT
-from tritonllm.sampling_params import MAX_N, InvalidRequestError, SamplingParams
+from tritonllm.engine.sampling_params import MAX_N, InvalidRequestError, SamplingParams
 
 PROMPT = "Parallel completions share one prompt. " + LONG_TEXT[:400]
 

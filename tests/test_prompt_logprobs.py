@@ -10,7 +10,7 @@ import torch
 
 from grpc_stream import StreamClient, make_inputs
 from prompts import PLAIN_PROMPTS
-from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 
 LONG = " ".join(PLAIN_PROMPTS[:6])  # longer than the engine's 512-token step budget: several chunks
 

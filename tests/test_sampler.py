@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonllm.sampler import SamplingBatch, choose_tokens
+from tritonllm.runner.sampler import SamplingBatch, choose_tokens
 
 DRAWS = 40_000  # rows of one batch: each row is one independent draw
 

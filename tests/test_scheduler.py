@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tritonllm.block_manager import BlockManager
-from tritonllm.sampling_params import SamplingParams
-from tritonllm.scheduler import Scheduler
-from tritonllm.sequence import FinishReason, Sequence
+from tritonllm.scheduling.block_manager import BlockManager
+from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.scheduling.scheduler import Scheduler
+from tritonllm.engine.sequence import FinishReason, Sequence
 
 BS = 4
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tritonllm import server as server_module
-from tritonllm.server import TritonServer, build_command, find_pytriton
+from tritonllm.serving import launcher as server_module
+from tritonllm.serving.launcher import TritonServer, build_command, find_pytriton
 
 pytestmark = pytest.mark.server
 

@@ -7,9 +7,9 @@ import math
 import pytest
 
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
-from tritonllm.config import ConfigError, EngineConfig
-from tritonllm.ngram_draft import DraftAcceptance, NgramIndex, accepted_tokens
-from tritonllm.sampling_params import SamplingParams
+from tritonllm.engine.config import ConfigError, EngineConfig
+from tritonllm.scheduling.ngram_draft import DraftAcceptance, NgramIndex, accepted_tokens
+from tritonllm.engine.sampling_params import SamplingParams
 
 COPY_PROMPT = "Repeat the following text word for word.\n\n" + LONG_TEXT[:600]
 

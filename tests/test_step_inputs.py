@@ -7,11 +7,11 @@ import random
 
 import torch
 
-from tritonllm.block_manager import KVCopy
-from tritonllm.sampling_params import SamplingParams
-from tritonllm.scheduler import ScheduledSeq
-from tritonllm.sequence import Sequence
-from tritonllm.step_inputs import GROUP_COST_BLOCKS, build_host_step, copy_kv_slots, split_by_length, to_device
+from tritonllm.scheduling.block_manager import KVCopy
+from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.scheduling.scheduler import ScheduledSeq
+from tritonllm.engine.sequence import Sequence
+from tritonllm.runner.step_inputs import GROUP_COST_BLOCKS, build_host_step, copy_kv_slots, split_by_length, to_device
 
 
 def _decodes(lengths: list[int]) -> list[ScheduledSeq]:

@@ -33,7 +33,7 @@ def worker_pids(ancestor: int) -> list[int]:
         except OSError:
             continue
         parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
-        if "tritonllm.tp_worker" in cmdline:
+        if "tritonllm.parallel.worker" in cmdline:
             workers.append(int(entry.name))
 
     def descends(pid: int) -> bool:
@@ -48,8 +48,8 @@ def worker_pids(ancestor: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tp_engine(model_dir):
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
 
     eng = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, max_num_seqs=16, tensor_parallel_size=2))
     yield eng
@@ -80,8 +80,8 @@ def test_two_ranks_copy_a_partly_matched_prefix_block_on_every_rank(engine, tp_e
 def test_two_ranks_with_a_float16_kv_cache_give_the_same_greedy_ids_as_one(model_dir, capfd):
     # Each worker allocates its own pool: it must use the configured KV dtype too, not the model's
     # (short greedy outputs do not tell them apart, so the worker's own report is checked as well).
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
 
     prompts = PLAIN_PROMPTS[:3]
     one = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16", warmup=False))
@@ -96,8 +96,8 @@ def test_two_ranks_with_a_float16_kv_cache_give_the_same_greedy_ids_as_one(model
 
 
 def test_a_shard_count_the_model_cannot_take_is_refused(model_dir):
-    from tritonllm.config import ConfigError, EngineConfig
-    from tritonllm.engine import Engine
+    from tritonllm.engine.config import ConfigError, EngineConfig
+    from tritonllm.engine.engine import Engine
 
     with pytest.raises(ValueError, match="exceeds the model's 3 KV heads"):
         Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=4, warmup=False))
@@ -106,9 +106,9 @@ def test_a_shard_count_the_model_cannot_take_is_refused(model_dir):
 
 
 def test_a_worker_dying_mid_stream_fails_the_requests_and_the_engine(model_dir):
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
-    from tritonllm.engine_loop import EngineDeadError, EngineLoop
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
+    from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
 
     eng = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, max_num_seqs=8, tensor_parallel_size=2,
                               warmup=False))
@@ -199,10 +199,10 @@ def test_served_worker_death_errors_in_flight_and_new_requests(tp_server):
 def test_a_worker_that_cannot_load_fails_the_engine_start_with_its_reason(model_dir, monkeypatch):
     import dataclasses
 
-    from tritonllm.config import EngineConfig
-    from tritonllm.engine import Engine
-    from tritonllm.model_runner import ModelRunner
-    from tritonllm.tp_workers import TensorParallelError
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.engine import Engine
+    from tritonllm.runner.model_runner import ModelRunner
+    from tritonllm.parallel.workers import TensorParallelError
 
     real_spec = ModelRunner._worker_spec
 

@@ -7,7 +7,7 @@ import torch
 
 from grpc_stream import StreamClient, make_inputs
 from prompts import PLAIN_PROMPTS
-from tritonllm.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 
 MAX_NEW = 12
 
@@ -99,7 +99,7 @@ def test_a_request_asks_for_top_logprobs_with_return_logprobs_only():
 
     import numpy as np
 
-    from tritonllm.request_parsing import parse_request
+    from tritonllm.serving.request_parsing import parse_request
 
     def parse(flag: bool, count):
         inputs = {"text_input": np.array([b"Hi"], dtype=np.object_), "return_logprobs": np.array([flag]),

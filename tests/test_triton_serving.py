@@ -14,7 +14,7 @@ import pytest
 
 from grpc_stream import StreamClient, make_inputs, metric, scrape, wait_for_kv_blocks_in_use
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
-from tritonllm.sampling_params import SamplingParams
+from tritonllm.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.server
 

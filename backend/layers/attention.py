@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import cpu_kernels
+from tritonllm.devices.cpu import kernels as cpu_kernels
 
 
 @dataclass

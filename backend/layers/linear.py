@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import cpu_kernels
-from .exact_blocks import find_blocks
+from tritonllm.devices.cpu import kernels as cpu_kernels
+from tritonllm.devices.cpu.exact_blocks import find_blocks
 
 logger = logging.getLogger(__name__)
 

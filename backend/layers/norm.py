@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import cpu_kernels
+from tritonllm.devices.cpu import kernels as cpu_kernels
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.packed_attention import AttentionGroup, make_groups, packed_attention
+from tritonllm.layers.packed_attention import AttentionGroup, make_groups, packed_attention
 
 SUPPORTED_MODEL_TYPES = ("bert",)
 

@@ -14,7 +14,7 @@ from functools import partial
 
 import torch.nn.functional as F
 
-from ..layers.rotary import partial_rotary_factor
+from tritonllm.layers.rotary import partial_rotary_factor
 
 # mixtures of experts in place of (some of) the dense MLPs (`MoeSpec`)
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")

@@ -32,18 +32,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import cpu_kernels
-from ..layers.attention import AttentionMetadata, paged_attention, write_kv
-from ..layers.greedy_screen import GreedyScreen
-from ..layers.linear import Linear, PackedWeight, pack_linears, choose_amx_min_rows, tune_blocks_max_rows
-from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding, rope_by_layer_type
-from ..tensor_parallel import SINGLE, TPShard
-from .decoder_stack import DecoderStack
-from .families import (HEAD_NORM_MODEL_TYPES, PROJECTION_NORM_MODEL_TYPES, FamilyVariant, MoeSpec, attention_window,
+from tritonllm.devices.cpu import kernels as cpu_kernels
+from tritonllm.layers.attention import AttentionMetadata, paged_attention, write_kv
+from tritonllm.devices.cpu.greedy_screen import GreedyScreen
+from tritonllm.layers.linear import Linear, PackedWeight, pack_linears, choose_amx_min_rows, tune_blocks_max_rows
+from tritonllm.layers.norm import RMSNorm
+from tritonllm.layers.rotary import RotaryEmbedding, rope_by_layer_type
+from tritonllm.parallel.shard import SINGLE, TPShard
+from tritonllm.devices.cpu.decoder_stack import DecoderStack
+from tritonllm.models.families import (HEAD_NORM_MODEL_TYPES, PROJECTION_NORM_MODEL_TYPES, FamilyVariant, MoeSpec, attention_window,
                        check_supported, kv_release_window, sliding_layers, window_pool_layers)
-from .mlp import GatedMLP
-from .moe import SparseMoeMLP
+from tritonllm.models.mlp import GatedMLP
+from tritonllm.models.moe import SparseMoeMLP
 
 logger = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import cpu_kernels
-from ..layers.linear import Linear
-from ..tensor_parallel import TPShard
-from .families import ACTIVATIONS, activation_name
+from tritonllm.devices.cpu import kernels as cpu_kernels
+from tritonllm.layers.linear import Linear
+from tritonllm.parallel.shard import TPShard
+from tritonllm.models.families import ACTIVATIONS, activation_name
 
 
 class GatedMLP(nn.Module):

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.linear import Linear
-from ..tensor_parallel import TPShard
-from .families import MoeSpec
-from .mlp import GatedMLP
+from tritonllm.layers.linear import Linear
+from tritonllm.parallel.shard import TPShard
+from tritonllm.models.families import MoeSpec
+from tritonllm.models.mlp import GatedMLP
 
 
 class SparseMoeMLP(nn.Module):

@@ -1,0 +1,449 @@
+"""The engine: requests in, one scheduled forward per `step()`, new tokens and text out.
+
+Offline use: `Engine(EngineConfig(...)).generate(prompts, SamplingParams(...))`, or `stream()`.
+Serving use (one thread drives it): `add_request`, `abort`, `step` — see `engine_loop.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from tritonllm.devices import platform as devices
+from tritonllm.scheduling.block_manager import BlockManager
+from tritonllm.scheduling.window_pool import WindowPoolBlockManager
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.detokenizer import IncrementalDetokenizer
+from tritonllm.guided.decoding import Guides
+from tritonllm.models.loader import load_hf_config, load_tokenizer
+from tritonllm.models.model_files import resolve_model_dir
+from tritonllm.runner.model_runner import ModelRunner
+from tritonllm.scheduling.ngram_draft import accepted_tokens
+from tritonllm.models.families import exact_context_limit
+from tritonllm.engine.outputs import CompletionOutput, RequestOutput
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.scheduling.scheduler import Scheduler
+from tritonllm.engine.sequence import FinishReason, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StreamState:
+    """Per-request output state that the scheduler does not need."""
+
+    detok: IncrementalDetokenizer
+    text: str = ""  # generated text so far (stop string excluded once found)
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    prompt_logprobs_sent: bool = False
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        config = (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
+        self.config = config
+        started = time.perf_counter()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = devices.resolve_device(config.device)
+        self.dtype = devices.resolve_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model_dir(config.model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        hf_config = load_hf_config(self.model_dir)
+        self.max_model_len = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", config.max_model_len))
+        limit = exact_context_limit(hf_config)
+        if limit is not None and limit[0] < self.max_model_len:  # past it our outputs would not be the model's
+            logger.warning("%s: max_model_len %d -> %d", limit[1], self.max_model_len, limit[0])
+            self.max_model_len = limit[0]
+        self.eos_token_ids = self._eos_ids(hf_config)
+        self.guides = Guides(self.tokenizer, self.eos_token_ids)
+        self.runner = ModelRunner(config, self.model_dir, self.device, self.dtype, self.max_model_len, self.eos_token_ids)
+        model = self.runner.model
+        if self.runner.num_window_blocks:  # the sliding layers' K/V in a pool of their own
+            self.block_manager = WindowPoolBlockManager(self.runner.num_blocks, self.runner.num_window_blocks,
+                                                        config.block_size, model.attention_window,
+                                                        config.enable_prefix_caching)
+        else:  # every layer's K/V in one pool, freed behind the window where every layer slides
+            self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                              window=model.kv_release_window)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.scheduling_policy, config.kv_window,
+                                   config.kv_window_ratio, config.kv_sink_tokens, config.reserve_known_growth,
+                                   self._speculative_tokens(config), config.speculative_max_batch,
+                                   config.speculative_min_acceptance)
+        self._seqs: dict[str, Sequence] = {}
+        self._streams: dict[str, _StreamState] = {}
+        self._add_lock = threading.Lock()  # add_request may be called from other threads
+        self.num_steps = 0
+        if config.warmup:
+            self.warmup()
+        self.startup_seconds = time.perf_counter() - started
+        logger.info("engine ready in %.1f s on %s (%s)", self.startup_seconds, self.device, self.dtype)
+
+    def _speculative_tokens(self, config: EngineConfig) -> int:
+        """Draft tokens per step: config.speculative_tokens where the drafted rows give a one-token
+        decode's results bit for bit (our float32 CPU kernels, whose every row is computed alike however
+        many there are), else none."""
+        exact_rows = self.runner.use_cpu_kernels and config.cpu_gemm == "avx512" and not config.amx_gemm
+        if config.speculative_tokens and not exact_rows:
+            logger.info("speculative_tokens=%d: off here (only our float32 CPU kernels give drafted rows "
+                        "a one-token decode's exact results)", config.speculative_tokens)
+            return 0
+        return config.speculative_tokens
+
+    def _eos_ids(self, hf_config) -> set[int]:
+        ids: set[int] = set()
+        for source in (hf_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        try:
+            from transformers import GenerationConfig
+
+            gen_eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+            ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+        except OSError:
+            pass
+        return ids
+
+    def warmup(self) -> None:
+        """A dummy prefill at the full token budget and a decode at the full batch: first requests pay no start-up cost."""
+        started = time.perf_counter()
+        budget = min(self.config.max_num_batched_tokens, self.max_model_len)
+        self.runner.forward_dummy([budget])
+        self.runner.forward_dummy([budget // 2, budget - budget // 2])
+        # The decode without log-probs: the greedy screen's path where there is one (the others took the float32 head).
+        self.runner.forward_dummy([1] * min(self.config.max_num_seqs, self.runner.num_blocks), logprobs=False)
+        self.runner.forward_dummy([1], logprobs=False)  # one row: the exact-block GEMMs where there are any
+        logger.info("warm-up took %.2f s", time.perf_counter() - started)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def make_sequence(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
+                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+                      apply_chat_template: bool = False, arrival_time: float | None = None) -> Sequence:
+        """Validate and tokenize a request (thread-safe; does not touch the schedule)."""
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequestError("the prompt is empty: text_input must be a non-empty string")
+            if apply_chat_template:
+                prompt_token_ids = list(self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                    return_dict=False))
+            else:
+                prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            prompt_token_ids = list(prompt_token_ids)
+            vocab = self.runner.model.config.vocab_size
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+                raise InvalidRequestError(f"input_ids must be integers in [0, {vocab})")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty (no tokens)")
+        if params.truncate_prompt_tokens is not None:  # the prompt's end is kept, as vLLM does
+            keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            prompt_token_ids = prompt_token_ids[-keep:]
+        vocab = self.runner.model.config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be below the vocabulary size {vocab}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
+                                      f"{self.max_model_len} (prompt plus at least one generated token)")
+        if any(t >= vocab for t in params.allowed_token_ids):
+            raise InvalidRequestError(f"allowed_token_ids must be below the vocabulary size {vocab}")
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
+        seq.bad_word_ids = self._bad_word_ids(params.bad_words)
+        guide = self.guides.for_request(params.guided_decoding)
+        seq.guided = guide.start() if guide is not None else None
+        return seq
+
+    def make_sequences(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
+                       request_id: str | None = None, **kwargs) -> list[Sequence]:
+        """`make_sequence` for each of the request's n completions (ids "<request_id>/<index>" when n > 1).
+
+        The prompt is tokenized once. Completions after the first wait for its prompt to be in the
+        KV cache and take those blocks from the prefix cache; with a seed, completion i samples with
+        seed + i so that the completions differ.
+        """
+        first = self.make_sequence(prompt, params, request_id=request_id, **kwargs)
+        n = first.params.n
+        if n == 1:
+            return [first]
+        base_id = first.request_id
+        first.request_id = f"{base_id}/0"  # parent_id stays base_id
+        share_prompt = self.config.enable_prefix_caching and first.num_prompt_tokens > self.config.block_size
+        seqs = [first]
+        for index in range(1, n):
+            params_i = first.params if first.params.seed is None else replace(first.params, seed=first.params.seed + index)
+            seq = Sequence(f"{base_id}/{index}", first.prompt_token_ids, params_i, first.times.arrival, index=index)
+            seq.parent_id = base_id
+            seq.bad_word_ids = first.bad_word_ids
+            seq.guided = first.guided.start() if first.guided is not None else None
+            seq.prefill_after = first if share_prompt else None
+            seqs.append(seq)
+        return seqs
+
+    def _bad_word_ids(self, words: list[str]) -> list[tuple[int, ...]]:
+        """Each bad word as token ids, alone and after a space (as vLLM), without duplicates."""
+        variants = {tuple(self.tokenizer.encode(form, add_special_tokens=False))
+                    for word in words for form in (word.strip(), " " + word.strip())}
+        return sorted(v for v in variants if v)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a validated sequence (call from the thread that runs `step`)."""
+        if seq.request_id in self._seqs:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        if self.config.max_queue_size and self.scheduler.num_waiting >= self.config.max_queue_size:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
+        self._seqs[seq.request_id] = seq
+        self._streams[seq.request_id] = _StreamState(
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens,
+                                   seq.params.spaces_between_special_tokens))
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt: str | None = None, params: SamplingParams | dict | None = None, **kwargs) -> str:
+        """Validate, tokenize and queue a request; returns its id (with n > 1 its completions' sequences
+        are "<id>/0" ... "<id>/<n-1>"). Raises InvalidRequestError on bad input."""
+        return self._add(prompt, params, **kwargs)[0].parent_id
+
+    def _add(self, prompt, params, **kwargs) -> list[Sequence]:
+        seqs = self.make_sequences(prompt, params, **kwargs)
+        for seq in seqs:
+            self.add_sequence(seq)
+        return seqs
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request now (every completion of it: a sequence id or the request's id); its blocks
+        are free before the next step. The final outputs of what was stopped; empty if nothing was here."""
+        seqs = [self._seqs[request_id]] if request_id in self._seqs else [
+            seq for seq in self._seqs.values() if seq.parent_id == request_id]
+        outputs = []
+        for seq in seqs:
+            if self.scheduler.abort(seq):
+                state = self._streams[seq.request_id]
+                outputs.append(self._retire(seq, *self._new_tokens(seq, state),
+                                            self._new_text(state, seq.params.stop, final=True)))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer run (a tensor-parallel worker died), or None while healthy."""
+        return self.runner.failure
+
+    def close(self) -> None:
+        """Release what outlives the object: tensor-parallel worker processes and the process group."""
+        self.runner.close()
+
+    def stats(self) -> dict:
+        return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+                "preemptions": self.scheduler.num_preemptions, "kv_blocks": self.block_manager.stats(),
+                "steps": self.num_steps}
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, apply the new tokens; returns news for every request touched."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        inputs = self.runner.prepare(out.scheduled)
+        token_ids, logprobs, tops = self.runner.execute(inputs)
+        self.scheduler.commit(out)
+        self.num_steps += 1
+        now = time.time()
+        results = []
+        row = 0
+        while row < len(inputs.sampled):  # a sequence with a draft has one row per draft token more
+            item = inputs.sampled[row]
+            end = row + 1 + len(item.draft)
+            take = accepted_tokens(item.draft, token_ids[row:end]) if item.draft else 1
+            result = self._apply_tokens(item.seq, token_ids[row:row + take], logprobs[row:row + take],
+                                        tops[row:row + take], now)
+            if item.draft and not item.seq.is_finished:
+                self.scheduler.commit_accepted(item.seq, take - 1)
+            if result is not None:
+                results.append(result)
+            row = end
+        return results
+
+    def _apply_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list[float], tops: list,
+                      now: float) -> RequestOutput | None:
+        """Append a step's new tokens to `seq` (one, or with a draft the accepted ones) up to the first that
+        finishes it; returns its one output for the step."""
+        if seq.is_finished:  # aborted while the step ran
+            return None
+        if not seq.times.first_token:
+            seq.times.first_token = now
+        state = self._streams[seq.request_id]
+        reason = None
+        for token_id, logprob, top in zip(token_ids, logprobs, tops):
+            reason = self._append_token(seq, state, token_id, logprob, top)
+            if reason is not None:
+                break
+        p = seq.params
+        prompt_logprobs = self._take_prompt_logprobs(seq, state)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            out = self._retire(seq, *self._new_tokens(seq, state), self._new_text(state, p.stop, final=True))
+            out.prompt_logprobs = prompt_logprobs
+            return out
+        new_ids, new_lps, new_tops = self._new_tokens(seq, state)
+        return RequestOutput(seq.request_id, new_ids, new_lps, self._new_text(state, p.stop, final=False), False, None,
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
+                             new_top_logprobs=new_tops, index=seq.index, prompt_logprobs=prompt_logprobs)
+
+    def _append_token(self, seq: Sequence, state: _StreamState, token_id: int, logprob: float,
+                      top) -> FinishReason | None:
+        """Append one token and say whether it ends the sequence (and why)."""
+        seq.append_token(token_id, logprob, top)
+        p = seq.params
+        if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
+            if seq.num_output_tokens > p.min_tokens or not p.min_tokens:
+                return FinishReason.STOP
+        if seq.guided is not None and token_id in self.eos_token_ids:
+            return FinishReason.STOP  # a guided choice ended, ignore_eos or not
+        if p.detokenize:
+            state.text += state.detok.add(token_id)
+            if p.stop and seq.num_output_tokens >= p.min_tokens:
+                reason = self._check_stop_strings(state, p.stop, p.include_stop_str_in_output)
+                if reason is not None:
+                    return reason
+        if seq.guided is not None and seq.guided.is_complete(seq.output_token_ids):
+            return FinishReason.STOP  # a whole choice that nothing extends
+        if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _check_stop_strings(state: _StreamState, stops: list[str], include: bool) -> FinishReason | None:
+        # Only the tail can contain a stop string that was not there before this token.
+        start = max(0, len(state.text) - max(map(len, stops)) - 16)
+        found = [(i, k) for k, i in enumerate(state.text.find(s, start) for s in stops) if i >= 0]
+        if not found:
+            return None
+        at, k = min(found)  # the earliest; at the same place, the first listed
+        state.text = state.text[:at + len(stops[k]) if include else at]
+        return FinishReason.STOP
+
+    @staticmethod
+    def _new_tokens(seq: Sequence, state: _StreamState) -> tuple[list[int], list[float], list]:
+        start = state.num_emitted_tokens
+        state.num_emitted_tokens = seq.num_output_tokens
+        return seq.output_token_ids[start:], seq.output_logprobs[start:], seq.output_top_logprobs[start:]
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence, state: _StreamState) -> list | None:
+        """The prompt's scores (None for its first token, which nothing precedes), once: with the first
+        output token, when the whole prompt has been computed."""
+        if not seq.wants_prompt_logprobs or state.prompt_logprobs_sent:
+            return None
+        state.prompt_logprobs_sent = True
+        return [None] + seq.prompt_logprobs
+
+    @staticmethod
+    def _new_text(state: _StreamState, stops: list[str], final: bool) -> str:
+        end = len(state.text)
+        if stops and not final:
+            # Hold back what could be the start of a stop string until it is decided.
+            end = max(state.num_emitted_chars, end - (max(map(len, stops)) - 1))
+        delta = state.text[state.num_emitted_chars:end]
+        state.num_emitted_chars = end
+        return delta
+
+    def _retire(self, seq: Sequence, new_ids: list[int], new_lps: list[float], new_tops: list,
+                new_text: str) -> RequestOutput:
+        if logger.isEnabledFor(logging.DEBUG):
+            t = seq.times
+            logger.debug("request %s finished (%s): prompt=%d cached=%d output=%d preemptions=%d queue=%.3fs "
+                         "ttft=%.3fs e2e=%.3fs arrival=%.6f scheduled=%.6f first_token=%.6f finished=%.6f",
+                         seq.request_id, seq.finish_reason.value, seq.num_prompt_tokens, seq.num_cached_prompt_tokens,
+                         seq.num_output_tokens, seq.num_preemptions, (t.scheduled or t.finished) - t.arrival,
+                         (t.first_token or t.finished) - t.arrival, t.finished - t.arrival, t.arrival, t.scheduled,
+                         t.first_token, t.finished)
+        del self._seqs[seq.request_id]
+        del self._streams[seq.request_id]
+        return RequestOutput(seq.request_id, new_ids, new_lps, new_text, True, seq.finish_reason.value,
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
+                             seq.times.as_dict(), new_top_logprobs=new_tops, index=seq.index)
+
+    # ---- offline API -------------------------------------------------------------------------
+    def generate(self, prompts: list[str] | str | None = None, params: SamplingParams | list | dict | None = None,
+                 prompt_token_ids: list[list[int]] | None = None, apply_chat_template: bool = False) -> list[CompletionOutput]:
+        """Run prompts to completion, all continuously batched together; results in input order
+        (with n > 1, a prompt's n completions one after another)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        inputs = prompt_token_ids if prompt_token_ids is not None else prompts
+        n = len(inputs)
+        params_list = params if isinstance(params, list) else [params] * n
+        ids = []
+        try:
+            for i in range(n):
+                kwargs = {"prompt_token_ids": inputs[i]} if prompt_token_ids is not None else {}
+                ids.extend(seq.request_id for seq in self._add(None if prompt_token_ids is not None else inputs[i],
+                                                               params_list[i], apply_chat_template=apply_chat_template,
+                                                               **kwargs))
+        except InvalidRequestError:  # one bad prompt: none of the call's prompts runs
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        return self._collect(ids)
+
+    def _collect(self, ids: list[str]) -> list[CompletionOutput]:
+        prompts = {rid: list(self._seqs[rid].prompt_token_ids) for rid in ids}
+        acc: dict[str, CompletionOutput] = {
+            rid: CompletionOutput(rid, prompts[rid], [], [], "", None, top_logprobs=[], index=self._seqs[rid].index)
+            for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                c = acc.get(out.request_id)
+                if c is None:
+                    continue
+                c.token_ids += out.new_token_ids
+                c.logprobs += out.new_logprobs
+                c.top_logprobs += out.new_top_logprobs
+                if out.prompt_logprobs is not None:
+                    c.prompt_logprobs = out.prompt_logprobs
+                c.text += out.new_text
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                    c.num_cached_prompt_tokens = out.num_cached_prompt_tokens
+                    c.times = out.times
+                    pending.discard(out.request_id)
+        return [acc[rid] for rid in ids]
+
+    def stream(self, prompt: str, params: SamplingParams | dict | None = None, **kwargs) -> Iterator[RequestOutput]:
+        """Yield one request's outputs step by step (other queued requests run alongside); with
+        n > 1, every completion's, told apart by `index`."""
+        pending = {seq.request_id for seq in self._add(prompt, params, **kwargs)}
+        while pending:
+            for out in self.step():
+                if out.request_id in pending:
+                    yield out
+                    if out.finished:
+                        pending.discard(out.request_id)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_queue_size; the caller should retry later (UNAVAILABLE)."""

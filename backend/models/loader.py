@@ -1,0 +1,117 @@
+"""Load a model folder: Hugging Face config + safetensors (never pickle) + tokenizer."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from tritonllm.devices.cpu import kernels as cpu_kernels
+from tritonllm.layers.linear import resolve_cpu_gemm
+from tritonllm.models.llama import LlamaForCausalLM
+from tritonllm.parallel.shard import SINGLE, TPShard
+
+logger = logging.getLogger(__name__)
+
+
+class _SafetensorsIndex:
+    """name -> tensor across all *.safetensors files of a folder, read lazily."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {folder} (pickled weights are not loaded)")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+        self.read: set[str] = set()  # names read so far, whole or in part
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"weight {name!r} not found in the checkpoint")
+        self.read.add(name)
+        return self._where[name].get_tensor(name)
+
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) only: a tensor-parallel rank reads just its shard from disk."""
+        return self._slice(name)[start:end]
+
+    def cols(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self._slice(name)[:, start:end]
+
+    def _slice(self, name: str):
+        if name not in self._where:
+            raise KeyError(f"weight {name!r} not found in the checkpoint")
+        self.read.add(name)
+        return self._where[name].get_slice(name)
+
+
+def load_hf_config(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_position: int,
+               tp: TPShard = SINGLE, cpu_gemm: str = "aten", batch_hint: int = 64,
+               greedy_screen: bool = False, exact_blocks: bool = False, amx: bool = False) -> LlamaForCausalLM:
+    """On a CPU, `cpu_gemm` "avx512", "avx512_bf16" or "onednn" packs the GEMM weights once for that kernel
+    (layers/linear.py; oneDNN's layout tuned for `batch_hint` rows), falling back to the next one
+    down where it cannot run; "aten", and accelerators, keep the weights as they are.
+
+    `greedy_screen`: also give the LM head the bfloat16 screen for float32 greedy ids
+    (layers/greedy_screen.py) where it can run: CPU, a float32 model, AVX512-BF16. With
+    `avx512_bf16` it makes the greedy ids those of a float32 head on the same hidden states.
+
+    `exact_blocks` (with `avx512`): GEMM weights (linears, LM head) that are exactly quantized blocks (a
+    GGUF Q4_1 / Q8_0 origin, layers/exact_blocks.py) also keep those blocks, which GEMMs of few rows read;
+    `amx` (with them): on a CPU with AMX-BF16, GEMMs of enough rows run those blocks on AMX tiles.
+    """
+    cfg = load_hf_config(folder)
+    model = LlamaForCausalLM(cfg, max_position, tp)
+    tensors = _SafetensorsIndex(folder)
+    model.load_hf_state_dict(tensors)
+    _refuse_unused_weights(tensors, tied_head=model.tie_word_embeddings)
+    # The rotary cos/sin tables stay float32 (cast per use) for accuracy in half precision.
+    rotaries = [(r, r.cos, r.sin) for r in (model.rotary, model.local_rotary) if r is not None]
+    model = model.to(device=device, dtype=dtype)
+    for rotary, cos, sin in rotaries:
+        rotary.cos, rotary.sin = cos.to(device), sin.to(device)
+    model.eval()
+    kernel = resolve_cpu_gemm(cpu_gemm, device, dtype)
+    if device.type == "cpu" and kernel != cpu_gemm:
+        logger.warning("cpu_gemm=%s cannot run for %s on this CPU and build: using %s", cpu_gemm, dtype, kernel)
+    if greedy_screen and device.type == "cpu" and dtype == torch.float32:
+        if cpu_kernels.packed_gemm_bf16_supported():
+            model.add_greedy_screen()  # before packing, which frees an untied head's plain weight
+        else:
+            logger.info("greedy_screen: this CPU or build has no AVX512-BF16; the float32 head takes every row")
+    if kernel != "aten":
+        model.pack_for_cpu(kernel, batch_hint, exact_blocks, amx)
+    return model
+
+
+def _refuse_unused_weights(tensors: _SafetensorsIndex, tied_head: bool) -> None:
+    """A checkpoint weight the model did not read is a part it would not compute (an MLP bias, a norm of
+    an architecture variant): refused by name rather than served wrong. Ignored: rotary frequency
+    buffers some checkpoints save, and an LM head saved beside the embeddings it is tied to."""
+    unused = sorted(name for name in tensors.names - tensors.read
+                    if not name.endswith("rotary_emb.inv_freq") and not (tied_head and name == "lm_head.weight"))
+    if unused:
+        raise ValueError(f"{len(unused)} checkpoint weights are not used by this model's architecture, so it "
+                         f"cannot be computed as trained: {unused[:5]}")
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)

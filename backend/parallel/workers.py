@@ -1,0 +1,195 @@
+"""The scheduler rank's side of tensor parallelism: start ranks 1..N-1, send them each step, watch them.
+
+This process is rank 0: it keeps the scheduler, block manager and Triton glue, and runs its own
+shard of the model. Every other rank is a worker process (`python -m tritonllm.parallel.worker`) that
+only runs the model: it receives each step's host inputs over a private socket pair, in order, and
+meets the other ranks in the forward's all-reduces (torch.distributed: gloo on CPU, NCCL on CUDA,
+HCCL on Ascend). A worker that exits is noticed by a watchdog thread within a fraction of a
+second, and a collective waiting on it fails at once: the engine then stops and fails its requests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)  # a rank silent this long inside a collective is hung
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel worker failed to start or died."""
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to load its shard (sent once, pickled, over its socket)."""
+
+    model_dir: str
+    dtype: str  # torch dtype name, e.g. "float32"
+    device: str  # this rank's device, e.g. "cpu" or "cuda:1"
+    max_model_len: int
+    rank: int
+    world_size: int
+    num_threads: int  # torch intra-op threads on CPU (0: leave torch's default)
+    block_size: int
+    cpu_gemm: str = "aten"  # EngineConfig.cpu_gemm
+    batch_hint: int = 64  # rows the packed CPU weights are tuned for (max_num_seqs)
+    cpu_kernels: bool = False  # EngineConfig.cpu_kernels
+    exact_blocks: bool = False  # EngineConfig.exact_block_weights
+    amx: bool = False  # EngineConfig.amx_gemm
+    kv_cache_dtype: str = "float32"  # the pool's torch dtype name (EngineConfig.kv_cache_dtype resolved)
+
+
+def python_executable() -> str:
+    """The interpreter that runs workers: ours, even when embedded (Triton's stub is not python)."""
+    exe = sys.executable
+    if exe and os.path.basename(exe).startswith("python") and os.path.exists(exe):
+        return exe
+    for candidate in (os.path.join(sys.prefix, "bin", "python3"), os.path.join(sys.prefix, "bin", "python"),
+                      shutil.which("python3")):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    raise TensorParallelError("cannot find a python interpreter to start tensor-parallel workers")
+
+
+class TensorParallelWorkers:
+    def __init__(self, specs: list[WorkerSpec], startup_timeout_s: float = 600.0):
+        self.world_size = len(specs) + 1
+        self.failure: str | None = None
+        self._closing = False
+        self._startup_timeout_s = startup_timeout_s
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        exe = python_executable()
+        for spec in specs:
+            ours, theirs = socket.socketpair()
+            env["TRITONLLM_TP_FD"] = str(theirs.fileno())
+            proc = subprocess.Popen([exe, "-m", "tritonllm.parallel.worker"], env=env, pass_fds=(theirs.fileno(),))
+            theirs.close()
+            conn = Connection(ours.detach())
+            conn.send(spec)
+            self._procs.append(proc)
+            self._conns.append(conn)
+        logger.info("started %d tensor-parallel worker(s) with %s (pids %s)", len(specs), exe,
+                    [p.pid for p in self._procs])
+        self._watchdog = threading.Thread(target=self._watch, name="tritonllm-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ---- start-up ----------------------------------------------------------------------------
+    def wait_loaded(self) -> None:
+        """Block until every worker has loaded its shard; a worker that dies first raises."""
+        deadline = time.monotonic() + self._startup_timeout_s
+        for rank, conn in enumerate(self._conns, start=1):
+            while not conn.poll(0.1):
+                self._raise_if_failed()
+                if time.monotonic() > deadline:
+                    raise TensorParallelError(f"tensor-parallel worker rank {rank} did not load its shard "
+                                              f"in {self._startup_timeout_s:.0f} s")
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                time.sleep(0.5)  # let the watchdog read its exit code for the message
+                self._raise_if_failed()
+                raise TensorParallelError(f"tensor-parallel worker rank {rank} closed its connection") from None
+            if isinstance(message, tuple) and message[0] == "error":
+                raise TensorParallelError(f"tensor-parallel worker rank {rank} failed to load: {message[1]}")
+            if message != "loaded":
+                raise TensorParallelError(f"tensor-parallel worker rank {rank}: unexpected {message!r}")
+
+    def connect(self, store_port: int, num_blocks: int, num_window_blocks: int) -> None:
+        """Tell the workers to join the process group (rank 0 joins it right after this) and their pools' sizes."""
+        for conn in self._conns:
+            conn.send(("connect", store_port, num_blocks, num_window_blocks))
+
+    # ---- steps -------------------------------------------------------------------------------
+    def broadcast(self, host_step) -> None:
+        """Send one step's host inputs to every worker (pickled once); they run it as it arrives."""
+        self._raise_if_failed()
+        payload = pickle.dumps(("step", host_step), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send_bytes(payload)
+            except OSError as exc:
+                raise TensorParallelError(f"tensor-parallel worker rank {rank} is gone: {exc}") from exc
+
+    def _raise_if_failed(self) -> None:
+        if self.failure:
+            raise TensorParallelError(self.failure)
+
+    # ---- health ------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._closing:
+            for rank, proc in enumerate(self._procs, start=1):
+                code = proc.poll()
+                if code is not None and not self._closing and self.failure is None:
+                    self.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
+                    logger.error("%s", self.failure)
+            time.sleep(0.1)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every worker: a polite message first, then SIGKILL for any that do not leave."""
+        self._closing = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(("stop", None)))
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
+
+
+def new_process_group(device: torch.device, rank: int, world_size: int, store):
+    """A process group of this model's ranks only, meeting through `store`.
+
+    Not torch.distributed's global default group: the engine owns it, and several engines (or a
+    user's own distributed code) can live in one process.
+    """
+    import torch.distributed as dist
+
+    if device.type == "cpu":
+        return dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    if device.type == "npu":
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+        options = ProcessGroupHCCL.Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        return ProcessGroupHCCL(store, rank, world_size, options)
+    raise TensorParallelError(f"no collective backend for device {device}")
+
+
+def make_store(port: int, world_size: int, is_master: bool):
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master, timeout=datetime.timedelta(seconds=120),
+                         wait_for_workers=False)

@@ -1,0 +1,241 @@
+"""One step's model inputs, built on the host as numpy arrays, then moved to a device in one go.
+
+The host form (`HostStep`) is what the scheduler rank sends to tensor-parallel workers: small,
+picklable, device-free. `to_device` turns it into the tensors the model's forward reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tritonllm.layers.attention import AttentionGroup, AttentionMetadata
+from tritonllm.scheduling.block_manager import KVCopy
+from tritonllm.scheduling.scheduler import ScheduledSeq
+
+MAX_DECODE_GROUPS = 4
+GROUP_COST_BLOCKS = 64  # one more group's fixed cost (a few small ops per KV head and layer), in gathered block rows
+
+
+@dataclass
+class HostGroup:
+    """Sequences attended together (see AttentionGroup), as host arrays."""
+
+    block_tables: np.ndarray  # [batch, max_blocks] int64
+    mask: np.ndarray  # [batch, 1, max_q, max_blocks * block_size] bool
+    query_index: np.ndarray | None
+    output_index: np.ndarray | None
+    token_offset: int
+    num_tokens: int
+    window_mask: np.ndarray | None = None  # as mask, limited to each query's last `window` positions
+    window_block_tables: np.ndarray | None = None  # the sliding layers' own pool's tables (window_pool.py)
+
+
+@dataclass
+class HostStep:
+    input_ids: np.ndarray  # [num_tokens] int64: decode tokens first, then prompt chunks
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    window_slot_mapping: np.ndarray | None  # the same tokens' slots in the sliding layers' own pool, if any
+    decode: list[HostGroup]
+    prefill: HostGroup | None
+    logits_rows: np.ndarray  # flat token rows whose next token is chosen this step
+    # Prefix K/V copied slot to slot (block * block_size + offset) before the forward; empty: none.
+    kv_copy_src: np.ndarray
+    kv_copy_dst: np.ndarray
+    window_kv_copy_src: np.ndarray  # ... in the sliding layers' own pool
+    window_kv_copy_dst: np.ndarray
+
+
+@dataclass
+class DeviceStep:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor
+    kv_copy: tuple[torch.Tensor, torch.Tensor] | None  # (source slots, destination slots)
+    window_kv_copy: tuple[torch.Tensor, torch.Tensor] | None  # ... in the sliding layers' own pool
+
+
+def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_groups: int = MAX_DECODE_GROUPS,
+                    window: int | None = None, window_pool: bool = False) -> tuple[HostStep, list[ScheduledSeq]]:
+    """The step's flat inputs, and the sequences that choose a token (in logits-row order; a sequence
+    with a speculative draft once per row of it).
+
+    `max_decode_groups` 1 suits the decode kernel, which skips padding instead of gathering it.
+    `window`: the model has sliding-window layers, which attend to each query's last `window`
+    positions only; each group then also carries that mask. `window_pool`: their K/V live in a pool
+    of their own (window_pool.py), with the sequences' `window_block_table`s.
+    """
+    bs = block_size
+    decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
+    prefills = [s for s in scheduled if s.num_new_tokens > 1]
+    input_ids: list[int] = []
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    window_slots: list[np.ndarray] = []
+    logits_rows: list[int] = []
+    sampled: list[ScheduledSeq] = []
+    for item in decodes + prefills:
+        seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+        item.first_row = len(input_ids)
+        input_ids.extend(seq.token_ids[start:start + n - len(item.draft)])
+        input_ids.extend(item.draft)
+        pos = np.arange(start, start + n)
+        table = np.asarray(seq.block_table)
+        positions.append(pos)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        if window_pool:
+            window_slots.append(np.asarray(seq.window_block_table)[pos // bs] * bs + pos % bs)
+        if item.draft:  # every row chooses: after its last token, and after each draft token
+            logits_rows.extend(range(item.first_row, len(input_ids)))
+            sampled.extend([item] * n)
+        elif item.samples:
+            logits_rows.append(len(input_ids) - 1)
+            sampled.append(item)
+    host = HostStep(
+        input_ids=np.asarray(input_ids, dtype=np.int64),
+        positions=np.concatenate(positions).astype(np.int64),
+        slot_mapping=np.concatenate(slots).astype(np.int64),
+        window_slot_mapping=np.concatenate(window_slots).astype(np.int64) if window_pool else None,
+        decode=[_group(part, offset, bs, window, window_pool)
+                for part, offset in split_by_length(decodes, bs, max_decode_groups)],
+        prefill=_group(prefills, len(decodes), bs, window, window_pool) if prefills else None,
+        logits_rows=np.asarray(logits_rows, dtype=np.int64),
+        **_kv_copy_slots([c for s in scheduled for c in s.kv_copies], bs),
+    )
+    return host, sampled
+
+
+def _kv_copy_slots(copies: list[KVCopy], bs: int) -> dict[str, np.ndarray]:
+    slots = {}
+    for prefix, in_window_pool in (("", False), ("window_", True)):
+        pool = [c for c in copies if c.window == in_window_pool]
+        src = [np.arange(c.num_tokens) + c.src * bs for c in pool]
+        dst = [np.arange(c.num_tokens) + c.dst * bs for c in pool]
+        empty = np.zeros(0, dtype=np.int64)
+        slots[f"{prefix}kv_copy_src"] = np.concatenate(src).astype(np.int64) if pool else empty
+        slots[f"{prefix}kv_copy_dst"] = np.concatenate(dst).astype(np.int64) if pool else empty
+    return slots
+
+
+def split_by_length(decodes: list[ScheduledSeq], block_size: int,
+                    max_groups: int = MAX_DECODE_GROUPS) -> list[tuple[list[ScheduledSeq], int]]:
+    """Cut the length-sorted decodes into up to `max_groups` groups gathering the fewest blocks.
+
+    Every sequence of a group is padded to the group's longest context: with mixed lengths one
+    group gathers far more K/V than the sequences hold. A group costs a fixed GROUP_COST_BLOCKS on
+    top of the blocks it gathers; the cuts minimising the total are found by dynamic programming
+    over the sorted lengths (64 sequences x 4 groups: microseconds).
+    """
+    if not decodes:
+        return []
+    blocks = [-(-(d.seq.num_computed_tokens + 1) // block_size) for d in decodes]
+    n = len(blocks)
+    inf = float("inf")
+    # best[k][j]: least cost of the first j sequences in k groups; cut[k][j]: where the last group starts
+    best = [[inf] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    best[0][0] = 0
+    for k in range(1, max_groups + 1):
+        for j in range(1, n + 1):
+            for i in range(k - 1, j):
+                cost = best[k - 1][i] + (j - i) * blocks[j - 1] + GROUP_COST_BLOCKS
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    k = min(range(1, max_groups + 1), key=lambda g: best[g][n])
+    bounds, j = [], n
+    while k > 0:
+        i = cut[k][j]
+        bounds.append((i, j))
+        j, k = i, k - 1
+    return [(decodes[i:j], i) for i, j in reversed(bounds)]
+
+
+def _group(items: list[ScheduledSeq], token_offset: int, bs: int, window: int | None = None,
+           window_pool: bool = False) -> HostGroup:
+    batch = len(items)
+    q_lens = [it.num_new_tokens for it in items]
+    starts = [it.seq.num_computed_tokens for it in items]
+    max_blocks = max(-(-(s + n) // bs) for s, n in zip(starts, q_lens))
+    tables = np.zeros((batch, max_blocks), dtype=np.int64)
+    valid = np.zeros((batch, max_blocks), dtype=bool)
+    window_tables = np.zeros((batch, max_blocks), dtype=np.int64) if window_pool else None
+    for i, it in enumerate(items):
+        row = np.asarray(it.seq.block_table[:max_blocks])
+        tables[i, :len(row)] = np.maximum(row, 0)
+        valid[i, :len(row)] = row >= 0
+        if window_pool:  # its -1 slots are behind every query's window: the window mask hides them
+            row = np.asarray(it.seq.window_block_table[:max_blocks])
+            window_tables[i, :len(row)] = np.maximum(row, 0)
+    width = max_blocks * bs
+    key_pos = np.arange(width)
+    key_ok = np.repeat(valid, bs, axis=1)  # [batch, width]: block still holds its K/V
+    max_q = max(q_lens)
+    q_pos = np.asarray(starts)[:, None] + np.arange(max_q)[None, :]  # [batch, max_q]
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]
+    # A sliding layer's query at position p sees keys p - window < k <= p (transformers' sliding mask).
+    window_mask = mask & (key_pos[None, None, :] > q_pos[:, :, None] - window) if window else None
+    query_index = output_index = None
+    if batch > 1 and max_q > 1:
+        offsets = token_offset + np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+        j = np.arange(max_q)[None, :]
+        real = j < np.asarray(q_lens)[:, None]
+        query_index = (offsets[:, None] + np.minimum(j, np.asarray(q_lens)[:, None] - 1)).astype(np.int64)
+        for m in (mask, window_mask) if window else (mask,):
+            m[~real] = False
+            m[~real, 0] = True  # padding rows attend somewhere: no NaN from an empty softmax
+        output_index = np.flatnonzero(real.reshape(-1)).astype(np.int64)
+    return HostGroup(tables, mask[:, None, :, :], query_index, output_index, token_offset, sum(q_lens),
+                     None if window_mask is None else window_mask[:, None, :, :], window_tables)
+
+
+def to_device(host: HostStep, device: torch.device, use_cpu_kernels: bool = False) -> DeviceStep:
+    def to(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
+    def group(g: HostGroup, sliding: bool = False) -> AttentionGroup:
+        tables = g.window_block_tables if sliding and g.window_block_tables is not None else g.block_tables
+        return AttentionGroup(
+            block_tables=to(tables), mask=to(g.window_mask if sliding else g.mask),
+            query_index=None if g.query_index is None else to(g.query_index),
+            output_index=None if g.output_index is None else to(g.output_index),
+            token_offset=g.token_offset, num_tokens=g.num_tokens)
+
+    def metadata(sliding: bool = False) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=window_slot_mapping if sliding and window_slot_mapping is not None else slot_mapping,
+            decode=[group(g, sliding) for g in host.decode],
+            prefill=group(host.prefill, sliding) if host.prefill is not None else None,
+            cpu_kernels=use_cpu_kernels,
+        )
+
+    slot_mapping = to(host.slot_mapping)
+    window_slot_mapping = None if host.window_slot_mapping is None else to(host.window_slot_mapping)
+    meta = metadata()
+    groups = host.decode + ([host.prefill] if host.prefill is not None else [])
+    if groups and groups[0].window_mask is not None:
+        meta.sliding = metadata(sliding=True)
+    kv_copy = (to(host.kv_copy_src), to(host.kv_copy_dst)) if len(host.kv_copy_src) else None
+    window_kv_copy = (to(host.window_kv_copy_src), to(host.window_kv_copy_dst)) if len(host.window_kv_copy_src) else None
+    return DeviceStep(to(host.input_ids), to(host.positions), meta, to(host.logits_rows), kv_copy, window_kv_copy)
+
+
+def copy_kv_slots(kv_caches, step: DeviceStep, window_pool_layers: list[bool] | None = None) -> None:
+    """Run a step's prefix K/V copies in every layer's pool ([kv_heads, blocks, block_size, head_dim]):
+    the window pool's copies in the layers whose K/V live there (`window_pool_layers`), the others'
+    in the rest.
+
+    All sources are read before any destination is written, so a block that is one copy's source
+    and, handed out again in the same step, another's destination still gives its old contents.
+    """
+    for i, (k, v) in enumerate(kv_caches):
+        copy = step.window_kv_copy if window_pool_layers and window_pool_layers[i] else step.kv_copy
+        if copy is None:
+            continue
+        src, dst = copy
+        for pool in (k, v):
+            flat = pool.view(pool.shape[0], -1, pool.shape[-1])
+            flat[:, dst] = flat[:, src]

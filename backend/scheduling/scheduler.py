@@ -1,0 +1,281 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+
+Every step first gives each running sequence its next token (a decode, or the next chunk of a
+prompt that did not fit earlier), then fills what is left of the token budget with prompt
+chunks of waiting sequences, in the order the policy says. Prefill and decode share one forward.
+When KV blocks run out, the most recently admitted running sequence is preempted: its blocks
+are freed and it is recomputed later (greedy output is unchanged by that). With
+`reserve_known_growth`, preemption is avoided where the future is known: a waiting sequence is
+admitted only if the blocks also hold, at their peak, the outputs that the running sequences and it
+are certain to produce (`_known_growth`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from tritonllm.scheduling.block_manager import BlockManager, KVCopy
+from tritonllm.scheduling.ngram_draft import DraftAcceptance, draft_for
+from tritonllm.scheduling.window_pool import WindowPoolBlockManager
+from tritonllm.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed this step, starting at seq.num_computed_tokens
+    kv_copies: list[KVCopy] = field(default_factory=list)  # prefix K/V to copy into its blocks before the forward
+    first_row: int = -1  # its first token's row among the step's flat tokens (set by step_inputs)
+    # Speculative draft tokens fed after its last token (ngram_draft.py); included in num_new_tokens.
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence, so a new token is sampled (with a draft,
+        one per row: after the last token and after each draft token)."""
+        return bool(self.draft) or self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    num_batched_tokens: int
+    num_preempted: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager | WindowPoolBlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs", kv_window: int = 0,
+                 kv_window_ratio: float = 0.0, kv_sink_tokens: int = 0, reserve_known_growth: bool = False,
+                 speculative_tokens: int = 0, speculative_max_batch: int = 0, speculative_min_acceptance: float = 1.0):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.kv_window = kv_window
+        self.kv_window_ratio = kv_window_ratio
+        self.kv_sink_tokens = kv_sink_tokens
+        self.waiting: list[tuple[tuple, Sequence]] = []  # sorted by policy key
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+        self.reserve_known_growth = reserve_known_growth
+        self.speculative_tokens = speculative_tokens  # most draft tokens a decode feeds per step (0: none)
+        self.speculative_max_batch = speculative_max_batch  # ... in steps of at most this many sequences
+        # ... and in larger steps, the j-th draft token of a sequence whose drafts are right at a rate with
+        # rate^j at least this (_trusted_draft_length; 1: never)
+        self.speculative_min_acceptance = speculative_min_acceptance
+
+    # ---- queues ----------------------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple:
+        # Preempted sequences go back in front: they already hold the caller's attention.
+        first = 0 if seq.num_preemptions else 1
+        if self.policy == "priority":
+            return (first, seq.params.priority, seq.arrival_index)
+        if self.policy == "longest_output_first":
+            limit = seq.params.max_tokens
+            return (first, -(limit if limit is not None else self.max_model_len), seq.arrival_index)
+        return (first, seq.arrival_index)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, (self._key(seq), seq), key=lambda item: item[0])
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> bool:
+        """Remove a sequence wherever it is and free its blocks. False if it was not here."""
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            for i, (_, s) in enumerate(self.waiting):
+                if s is seq:
+                    del self.waiting[i]
+                    break
+            else:
+                return False
+        self.block_manager.free(seq)
+        seq.finish(FinishReason.ABORT)
+        return True
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        num_preempted = 0
+
+        # 1. Running sequences: decodes and unfinished prompt chunks, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            target = seq.num_computed_tokens + num_new
+            self._release_behind_windows(seq)  # before growing: its own freed blocks can take the new tokens
+            while not bm.can_append(seq, target):
+                victim = self.running[-1]
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                bm.append_slots(seq, target)
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq itself was preempted
+
+        # 2. Waiting sequences, in policy order, while budget, slots and blocks allow.
+        # Nothing new is admitted in a step that had to preempt: memory is short.
+        # A sibling completion whose prompt is still being computed by its lead is passed over (not
+        # blocking the queue): next step it reuses the lead's prompt blocks.
+        now = time.time()
+        growth = self._known_growth(scheduled) if self.waiting and not num_preempted else []
+        i = 0
+        while i < len(self.waiting) and budget > 0 and not num_preempted and len(self.running) < self.max_num_seqs:
+            _, seq = self.waiting[i]
+            if seq.waits_for_prefix:
+                i += 1
+                continue
+            match = bm.match_prefix(seq)
+            num_cached = match.num_tokens
+            num_new = min(seq.num_tokens - num_cached, budget)
+            held = num_cached + num_new
+            if not self.running and not scheduled:
+                # Nothing runs, so nothing is held back for this one; if even an empty pool cannot
+                # take this chunk, shrink it to what fits.
+                if not bm.can_allocate(match, held):
+                    num_new = min(num_new, bm.new_tokens_that_fit(match))
+                    held = num_cached + num_new
+                    if num_new <= 0 or not bm.can_allocate(match, held):
+                        break
+            elif not bm.can_allocate(match, held, growth + self._known_growth_of(seq, held)):
+                break
+            growth += self._known_growth_of(seq, held)  # what those admitted after it leave room for
+            self.waiting.pop(i)
+            kv_copies = bm.allocate(seq, match, num_cached + num_new)
+            seq.status = SequenceStatus.RUNNING
+            if not seq.times.scheduled:
+                seq.times.scheduled = now
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new, kv_copies))
+            budget -= num_new
+
+        # 3. Speculative drafts (ngram_draft.py) for the decodes of a step of few sequences, or of any step
+        # for a sequence whose drafts keep being right, in the budget and free blocks left over: never at
+        # the cost of a prompt chunk or of another sequence's blocks. Not under recent-window pruning: a
+        # draft row would see the blocks that decoding up to it would have dropped.
+        few = len(scheduled) <= self.speculative_max_batch
+        if (self.speculative_tokens and not num_preempted and (few or self.speculative_min_acceptance < 1)
+                and not (self.kv_window or self.kv_window_ratio)):
+            for item in scheduled:
+                seq = item.seq
+                if item.num_new_tokens != 1 or seq.num_uncomputed_tokens != 1:
+                    continue
+                if seq.draft_acceptance is None:
+                    seq.draft_acceptance = DraftAcceptance()
+                record = seq.draft_acceptance
+                record.settle(seq.token_ids)
+                length = self.speculative_tokens if few else self._trusted_draft_length(record.rate)
+                drafting = budget > 0 and length > 0
+                draft = draft_for(seq, min(length, budget) if drafting else 1, self.max_model_len)
+                if drafting and draft and bm.can_append(seq, seq.num_tokens + len(draft)):
+                    bm.append_slots(seq, seq.num_tokens + len(draft))
+                    item.draft = draft
+                    item.num_new_tokens += len(draft)
+                    budget -= len(draft)
+                record.expect(seq.num_tokens, draft)  # a draft not fed is still a guess to score
+
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_preempted)
+
+    def _trusted_draft_length(self, rate: float) -> int:
+        """Draft tokens for a sequence whose draft positions are right at `rate`, in a step of more than
+        speculative_max_batch sequences: the j-th is taken while rate^j, the chance that it is accepted
+        (the ones before it too), stays at or above speculative_min_acceptance."""
+        bar = self.speculative_min_acceptance
+        length, chance = 0, rate
+        while bar < 1 and length < self.speculative_tokens and chance >= bar:
+            length += 1
+            chance *= rate
+        return length
+
+    def _known_growth(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, int]]:
+        """(tokens held, tokens certain to be held) of each running sequence (see `_known_growth_of`)."""
+        if not self.reserve_known_growth:
+            return []
+        held = {id(item.seq): item.seq.num_computed_tokens + item.num_new_tokens for item in scheduled}
+        return [g for seq in self.running for g in self._known_growth_of(seq, held.get(id(seq), seq.num_computed_tokens))]
+
+    def _known_growth_of(self, seq: Sequence, held: int) -> list[tuple[int, int]]:
+        """What a sequence holding `held` tokens' K/V is certain to grow to: the rest of its prompt and the
+        outputs it must produce, every one up to max_tokens (or max_model_len) with ignore_eos, else up
+        to min_tokens. Longer outputs are a guess, and holding blocks back for a guess costs concurrency
+        (docs/PERFORMANCE.md, "Admission"). Under recent-window pruning a sequence holds a window's
+        blocks whatever its length: nothing is held back."""
+        if not self.reserve_known_growth or self.kv_window or self.kv_window_ratio:
+            return []
+        outputs = seq.params.min_tokens
+        if seq.params.ignore_eos:
+            outputs = seq.params.max_tokens if seq.params.max_tokens is not None else self.max_model_len
+        known = min(seq.num_prompt_tokens + max(outputs, seq.num_output_tokens), self.max_model_len)
+        return [(held, known)] if known > held else []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _release_behind_windows(self, seq: Sequence) -> None:
+        """Free the blocks no query of this step or later attends to.
+
+        The model's own window (the layers that slide) is exact: this step's queries start at position
+        `num_computed_tokens` and see keys after `num_computed_tokens - window`, so every block wholly
+        before that position is dead (block_manager.py). Recent-window KV pruning (`kv_window`,
+        `kv_window_ratio`) is the lossy one: it keeps its window and the sink blocks, and drops what the
+        model would still read.
+        """
+        self.block_manager.release_behind_window(seq)
+        window = self.kv_window or int(self.kv_window_ratio * seq.num_prompt_tokens)
+        if not window:
+            return
+        bs = self.block_manager.block_size
+        keep_from = seq.num_computed_tokens - window  # first position still attended
+        first_block = -(-self.kv_sink_tokens // bs)  # sink blocks are never pruned
+        self.block_manager.release_blocks(seq, first_block, max(keep_from, 0) // bs)
+
+    # ---- after the forward -----------------------------------------------------------------
+    def commit(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counters once the step's K/V are written. Of a drafted sequence only its
+        last token's K/V count here; the accepted drafts' count once they are its tokens (`commit_accepted`)."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
+            self.block_manager.commit_full_blocks(item.seq)
+
+    def commit_accepted(self, seq: Sequence, num_drafts: int) -> None:
+        """`num_drafts` accepted draft tokens, now appended to `seq`, have their K/V in its blocks (written
+        at their positions this step); the rejected ones' slots are overwritten as it grows."""
+        seq.num_computed_tokens += num_drafts
+        self.block_manager.commit_full_blocks(seq)

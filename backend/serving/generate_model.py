@@ -1,0 +1,272 @@
+"""Triton Python-backend glue: config.pbtxt -> Engine; requests in, streamed responses out.
+
+initialize: parameters -> EngineConfig, an engine thread, a response thread.
+execute:    validate and enqueue every request, return None (decoupled: responses come later).
+responses:  one thread sends each request's new text (streaming) or the whole text (not
+            streaming), and aborts requests whose client cancelled or went away.
+finalize:   abort what is in flight, send their final responses, stop both threads.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import queue
+import signal
+import threading
+import time
+import uuid
+
+try:
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # outside tritonserver (docs, linters): the module only exists in the stub
+    pb_utils = None
+
+from tritonllm.engine.config import ConfigError, EngineConfig, config_from_triton
+from tritonllm.engine.engine import Engine, QueueFullError
+from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
+from tritonllm.engine.outputs import RequestOutput
+from tritonllm.serving.metrics import EngineMetrics
+from tritonllm.serving import orphan_guard
+from tritonllm.serving.request_parsing import parse_request
+from tritonllm.serving.response_assembly import ResponseAssembler
+from tritonllm.engine.sampling_params import InvalidRequestError
+
+logger = logging.getLogger("tritonllm")
+
+_INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output",
+                "apply_chat_template", "return_finish_reason", "return_num_input_tokens",
+                "return_num_output_tokens", "return_logprobs", "return_cumulative_logprob")
+_CANCEL_CHECK_S = 0.2  # is_cancelled() is a round trip to the server: a step or so is soon enough
+_METRICS_REFRESH_S = 0.5
+_STEP_DONE = object()  # queued after each engine step's outputs
+_ERROR_KINDS = {"InvalidRequestError": "invalid_argument", "QueueFullError": "unavailable",
+                "EngineDeadError": "unavailable"}
+
+
+def engine_config_from_triton(args: dict, model_config: dict) -> EngineConfig:
+    """config.pbtxt `parameters` plus the instance kind/device id -> EngineConfig."""
+    return config_from_triton(EngineConfig, args, model_config)
+
+
+def instance_label(args: dict, model_name: str) -> str:
+    """A name for this instance that no other instance of the model shares (the metrics label).
+
+    Triton names instances "<group>_<index>" (smollm2_0_0, smollm2_0_1), but gives the instances
+    of one KIND_GPU group on different GPUs (`gpus: [0, 1]`) the same name: add the GPU for those.
+    """
+    name = args.get("model_instance_name") or f"{model_name}_0"
+    if args.get("model_instance_kind") == "GPU":
+        name += f"_gpu{args.get('model_instance_device_id', '0')}"
+    return name
+
+
+_PARAMETERS_SUPPORTED: list[bool] = []
+
+
+def _response_parameters_supported() -> bool:
+    """Response parameters need Triton >= 24.11's Python backend; older stubs reject them."""
+    if not _PARAMETERS_SUPPORTED:
+        try:
+            pb_utils.InferenceResponse(output_tensors=[], parameters={"probe": 1})
+            _PARAMETERS_SUPPORTED.append(True)
+        except TypeError:
+            _PARAMETERS_SUPPORTED.append(False)
+    return _PARAMETERS_SUPPORTED[0]
+
+
+class _Active:
+    """A request the response thread is serving."""
+
+    __slots__ = ("request_id", "sender", "assembler")
+
+    def __init__(self, request_id: str, sender, assembler: ResponseAssembler):
+        self.request_id = request_id
+        self.sender = sender
+        self.assembler = assembler
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+        self._orphan_guard = orphan_guard.start()  # this stub must not outlive tritonserver (orphan_guard.py)
+        # `kill -USR1 <stub pid>` writes every Python thread's stack into the server log: for a model that
+        # stops answering, where its threads wait (the stub's stderr is tritonserver's).
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # And a crash of the stub (in a C++ kernel, say) leaves the Python stacks there too.
+        faulthandler.enable(all_threads=True)
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException(
+                "this model streams: set model_transaction_policy { decoupled: true } in config.pbtxt")
+        try:
+            config = engine_config_from_triton(args, self.model_config)
+        except ConfigError as exc:
+            raise pb_utils.TritonModelException(f"invalid config.pbtxt parameter: {exc}") from None
+        logging.getLogger("tritonllm").setLevel(config.log_level.upper())
+        self.model_name = args.get("model_name", "model")
+        started = time.perf_counter()
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # (request, engine output), or _STEP_DONE
+        # Built and warmed on the loop thread that will run it (see EngineLoop on OpenMP pools).
+        self.loop = EngineLoop.build(lambda: Engine(config), on_step_done=lambda: self._outputs.put(_STEP_DONE))
+        self.engine = self.loop.engine
+        self.instance_name = instance_label(args, self.model_name)
+        self.metrics = (EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"), self.instance_name)
+                        if config.enable_metrics else None)
+        if self.metrics is not None:
+            # Right from the start: llm_engine_alive reads 0 until the first refresh otherwise.
+            self.metrics.refresh(self.loop.stats, self.loop.alive)
+        self._active: dict[str, _Active] = {}
+        self._pending: dict[str, _Active] = {}  # streams with n > 1 whose news wait for the step's last output
+        self._stopping = threading.Event()
+        self._responder = threading.Thread(target=self._respond_loop, name="tritonllm-responses", daemon=True)
+        self._responder.start()
+        logger.info("model %s instance %s ready in %.1f s: device=%s dtype=%s kv_blocks=%d (verified paths: cpu)",
+                    self.model_name, self.instance_name, time.perf_counter() - started, self.engine.device,
+                    self.engine.dtype, self.engine.runner.num_blocks)
+
+    # ---- requests in -------------------------------------------------------------------------
+    def execute(self, requests) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except InvalidRequestError as exc:
+                self._send_error(sender, str(exc), "invalid_argument")
+            except (QueueFullError, EngineDeadError) as exc:
+                self._send_error(sender, str(exc), "unavailable")
+            except Exception as exc:  # noqa: BLE001 - one bad request never stops the others
+                logger.exception("request failed")
+                self._send_error(sender, f"internal error: {exc}", "internal")
+        return None
+
+    def _submit(self, request, sender) -> None:
+        inputs = {}
+        for name in _INPUT_NAMES:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs[name] = tensor.as_numpy()
+        parsed = parse_request(inputs, request.parameters())
+        assembler = ResponseAssembler(parsed, self.engine.tokenizer.decode, self.engine.config.stream_interval)
+        active = _Active(uuid.uuid4().hex, sender, assembler)
+        # Registered before submitting: the first output may arrive before submit() returns.
+        self._active[active.request_id] = active
+        try:
+            self.loop.submit(lambda out: self._outputs.put((active, out)), parsed.prompt, parsed.params,
+                             prompt_token_ids=parsed.prompt_token_ids,
+                             apply_chat_template=parsed.apply_chat_template, request_id=active.request_id)
+        except BaseException:
+            self._active.pop(active.request_id, None)
+            raise
+
+    # ---- responses out -----------------------------------------------------------------------
+    def _respond_loop(self) -> None:
+        last_cancel_check = last_refresh = time.monotonic()
+        while not (self._stopping.is_set() and not self._active and self._outputs.empty()):
+            try:
+                item = self._outputs.get(timeout=_CANCEL_CHECK_S)
+            except queue.Empty:
+                item = None
+            if item is _STEP_DONE:
+                # A step's outputs have all arrived: one response per request with n > 1 for all of them.
+                pending, self._pending = self._pending, {}
+                for active in pending.values():
+                    try:
+                        self._send(active)
+                    except Exception:  # noqa: BLE001 - keep serving the other streams
+                        self._failed(active)
+            elif item is not None:
+                active, out = item
+                try:
+                    self._handle(active, out)
+                except Exception:  # noqa: BLE001 - keep serving the other streams
+                    self._failed(active)
+            now = time.monotonic()
+            if now - last_cancel_check >= _CANCEL_CHECK_S:
+                last_cancel_check = now
+                self._check_cancelled()
+            if self.metrics is not None and now - last_refresh >= _METRICS_REFRESH_S:
+                last_refresh = now
+                try:
+                    self.metrics.refresh(self.loop.stats, self.loop.alive)
+                except Exception:  # noqa: BLE001 - metrics must never stop the responses
+                    logger.exception("refreshing metrics failed")
+
+    def _handle(self, active: _Active, out: RequestOutput) -> None:
+        if out.finished and out.error is None and self.metrics is not None:
+            self.metrics.record_finished(out)  # per completion: a request with n > 1 counts n
+        if active.request_id not in self._active:
+            return  # already closed (cancelled, or an error ended it)
+        if out.error is not None:
+            self._active.pop(active.request_id, None)
+            self._pending.pop(active.request_id, None)
+            if active.assembler.parsed.params.n > 1:
+                self.loop.abort(active.request_id)  # its other completions: nobody will hear them
+            self._send_error(active.sender, out.error, _ERROR_KINDS.get(out.error_kind, "unavailable"))
+            return
+        assembler = active.assembler
+        assembler.add(out)
+        if assembler.finished:
+            self._pending.pop(active.request_id, None)
+            self._send(active)
+        elif assembler.parsed.stream and assembler.due:
+            if assembler.parsed.params.n == 1:
+                self._send(active)
+            else:  # sent once this step's outputs of the other completions are in too
+                self._pending[active.request_id] = active
+
+    def _send(self, active: _Active) -> None:
+        assembler = active.assembler
+        tensors = [pb_utils.Tensor(name, array) for name, array in assembler.take_outputs().items()]
+        parameters = assembler.response_parameters()
+        if parameters and _response_parameters_supported():
+            response = pb_utils.InferenceResponse(output_tensors=tensors, parameters=parameters)
+        else:
+            response = pb_utils.InferenceResponse(output_tensors=tensors)
+        if assembler.finished:
+            self._active.pop(active.request_id, None)
+            active.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        else:
+            active.sender.send(response)
+
+    def _failed(self, active: _Active) -> None:
+        logger.exception("sending a response for %s failed", active.request_id)
+        self._active.pop(active.request_id, None)
+        self._pending.pop(active.request_id, None)
+        self.loop.abort(active.request_id)  # nobody can receive its tokens any more
+
+    def _check_cancelled(self) -> None:
+        for request_id, active in list(self._active.items()):
+            try:
+                cancelled = active.sender.is_cancelled()
+            except Exception:  # noqa: BLE001 - a sender that cannot answer is treated as gone
+                cancelled = True
+            if cancelled:
+                self._active.pop(request_id, None)
+                self._pending.pop(request_id, None)
+                self.loop.abort(request_id)
+                try:
+                    active.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                except Exception:  # noqa: BLE001 - the client is gone; nothing to tell it
+                    pass
+
+    def _send_error(self, sender, message: str, kind: str) -> None:
+        """A FINAL response carrying the error; kind: invalid_argument | unavailable | internal."""
+        if self.metrics is not None:
+            self.metrics.record_error(kind)
+        code = {"invalid_argument": pb_utils.TritonError.INVALID_ARG, "unavailable": pb_utils.TritonError.UNAVAILABLE,
+                "internal": pb_utils.TritonError.INTERNAL}[kind]
+        error = pb_utils.TritonError(message, code)
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def finalize(self) -> None:
+        """Abort in-flight requests (each gets a final error response) and stop the threads."""
+        self.loop.shutdown()
+        self._stopping.set()
+        self._responder.join(timeout=30)
+        if self.metrics is not None and not self._responder.is_alive():  # else it may still record
+            self.metrics.close()
+            self.metrics = None
+        logger.info("model %s instance %s finalized", self.model_name, self.instance_name)
