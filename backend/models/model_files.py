@@ -56,6 +56,16 @@ def resolve_model_dir(model: str) -> Path:
     raise FileNotFoundError(f"model {model!r} is neither a folder with config.json nor a .gguf file")
 
 
+def _sha256_of_file(path: Path) -> str:
+    """The file's SHA-256 in hex, read in 1 MiB chunks: hashlib.file_digest does the same but
+    exists only from Python 3.11, and the package supports 3.10 (NGC tritonserver 24.x ships it)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _converted_dir_for(gguf: Path) -> Path:
     """The cache folder for this file's content, so the same GGUF in two installs (two virtual
     environments, a fresh clone beside a working one) is converted and stored once. Hashing ~100 MB
@@ -66,8 +76,7 @@ def _converted_dir_for(gguf: Path) -> Path:
     try:
         key = memo.read_text().strip()
     except OSError:
-        with gguf.open("rb") as f:
-            key = hashlib.file_digest(f, "sha256").hexdigest()[:12]
+        key = _sha256_of_file(gguf)[:12]
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_name(f"{where}.tmp{os.getpid()}")
         tmp.write_text(key + "\n")
