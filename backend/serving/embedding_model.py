@@ -10,7 +10,8 @@ instance finish in one second), so our scheduler, not Triton's, batches across r
 
 Inputs: `text_input` STRING [-1] (one or many texts), optional `normalize` BOOL [1] (or a request
 parameter `normalize`). Output: `embedding` FP32 [texts, dim]. A bad request gets an INVALID_ARG
-error response; the other requests are unaffected.
+error response; the other requests are unaffected. They are defined in model_io.py, and
+auto_complete_config gives Triton those config.pbtxt does not list.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ except ImportError:  # outside tritonserver (docs, tests of the parsing): the mo
     pb_utils = None
 
 from tritonllm.engine.config import ConfigError, config_from_triton
-from tritonllm.embeddings.config import EmbeddingConfig
+from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
 from tritonllm.embeddings.engine import EmbeddingEngine
 from tritonllm.embeddings.request import EmbeddingOutput
 from tritonllm.serving import orphan_guard
+from tritonllm.serving.model_io import EMBEDDING_INPUTS, complete_config, embedding_outputs, missing_inputs_error
 from tritonllm.serving.request_parsing import MAX_TEXT_BYTES, _bool, _scalar, _text
 from tritonllm.engine.sampling_params import InvalidRequestError
 
@@ -76,11 +78,34 @@ def parse_embedding_request(inputs: dict[str, np.ndarray], parameters_json: str 
     return texts, normalize
 
 
+def _embedding_size(model_config: dict) -> int:
+    """The `model` parameter's hidden size (the embedding's length) from its config.json; -1 if unknown.
+
+    Read without loading the model, so the served config can say [texts, 384] as it did when
+    config.pbtxt wrote it. Anything wrong with the model is left for initialize to report.
+    """
+    model = model_config.get("parameters", {}).get("model", {}).get("string_value", "")
+    try:
+        with open(resolve_embedding_model_dir(model) / "config.json") as f:
+            size = json.load(f)["hidden_size"]
+        return size if isinstance(size, int) and size > 0 else -1
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        """Triton asks before initialize: the tensors config.pbtxt does not list. Not decoupled (see above)."""
+        outputs = embedding_outputs(_embedding_size(auto_complete_model_config.as_dict()))
+        return complete_config(auto_complete_model_config, EMBEDDING_INPUTS, outputs)
+
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
         self._orphan_guard = orphan_guard.start()  # this stub must not outlive tritonserver (orphan_guard.py)
         self.model_config = json.loads(args["model_config"])
+        if (missing := missing_inputs_error(self.model_config, EMBEDDING_INPUTS)) is not None:
+            raise pb_utils.TritonModelException(missing)
         try:
             config = embedding_config_from_triton(args, self.model_config)
         except ConfigError as exc:
@@ -100,10 +125,10 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 inputs = {}
-                for name in ("text_input", "normalize"):
-                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                for spec in EMBEDDING_INPUTS:
+                    tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
                     if tensor is not None:
-                        inputs[name] = tensor.as_numpy()
+                        inputs[spec.name] = tensor.as_numpy()
                 texts, normalize = parse_embedding_request(inputs, request.parameters())
                 request_id = uuid.uuid4().hex
                 self._active[request_id] = sender  # before submit: the answer may come before it returns

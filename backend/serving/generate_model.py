@@ -1,5 +1,6 @@
 """Triton Python-backend glue: config.pbtxt -> Engine; requests in, streamed responses out.
 
+auto_complete_config: the inputs, outputs and decoupled policy config.pbtxt leaves out (model_io.py).
 initialize: parameters -> EngineConfig, an engine thread, a response thread.
 execute:    validate and enqueue every request, return None (decoupled: responses come later).
 responses:  one thread sends each request's new text (streaming) or the whole text (not
@@ -29,15 +30,13 @@ from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
 from tritonllm.engine.outputs import RequestOutput
 from tritonllm.serving.metrics import EngineMetrics
 from tritonllm.serving import orphan_guard
+from tritonllm.serving.model_io import GENERATE_INPUTS, GENERATE_OUTPUTS, complete_config, missing_inputs_error
 from tritonllm.serving.request_parsing import parse_request
 from tritonllm.serving.response_assembly import ResponseAssembler
 from tritonllm.engine.sampling_params import InvalidRequestError
 
 logger = logging.getLogger("tritonllm")
 
-_INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output",
-                "apply_chat_template", "return_finish_reason", "return_num_input_tokens",
-                "return_num_output_tokens", "return_logprobs", "return_cumulative_logprob")
 _CANCEL_CHECK_S = 0.2  # is_cancelled() is a round trip to the server: a step or so is soon enough
 _METRICS_REFRESH_S = 0.5
 _STEP_DONE = object()  # queued after each engine step's outputs
@@ -88,6 +87,11 @@ class _Active:
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        """Triton asks before initialize: the tensors config.pbtxt does not list, and decoupled streaming."""
+        return complete_config(auto_complete_model_config, GENERATE_INPUTS, GENERATE_OUTPUTS, decoupled=True)
+
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
         self._orphan_guard = orphan_guard.start()  # this stub must not outlive tritonserver (orphan_guard.py)
@@ -97,9 +101,12 @@ class TritonPythonModel:
         # And a crash of the stub (in a C++ kernel, say) leaves the Python stacks there too.
         faulthandler.enable(all_threads=True)
         self.model_config = json.loads(args["model_config"])
+        # First: with auto-complete off, the decoupled check below would fail too, naming the lesser cause.
+        if (missing := missing_inputs_error(self.model_config, GENERATE_INPUTS)) is not None:
+            raise pb_utils.TritonModelException(missing)
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException(
-                "this model streams: set model_transaction_policy { decoupled: true } in config.pbtxt")
+                "this model streams: set model_transaction_policy { decoupled: true } in config.pbtxt, or leave it out")
         try:
             config = engine_config_from_triton(args, self.model_config)
         except ConfigError as exc:
@@ -143,10 +150,10 @@ class TritonPythonModel:
 
     def _submit(self, request, sender) -> None:
         inputs = {}
-        for name in _INPUT_NAMES:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
+        for spec in GENERATE_INPUTS:
+            tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
             if tensor is not None:
-                inputs[name] = tensor.as_numpy()
+                inputs[spec.name] = tensor.as_numpy()
         parsed = parse_request(inputs, request.parameters())
         assembler = ResponseAssembler(parsed, self.engine.tokenizer.decode, self.engine.config.stream_interval)
         active = _Active(uuid.uuid4().hex, sender, assembler)

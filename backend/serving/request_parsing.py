@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from tritonllm.engine.sampling_params import BOOL_PARAMETERS, FLOAT_PARAMETERS, InvalidRequestError, SamplingParams
+from tritonllm.serving.model_io import GENERATE_FLAGS, GENERATE_INPUTS
 
 MAX_TEXT_BYTES = 1 << 20  # bounded request size: a prompt beyond 1 MiB is refused outright
 
-_FLAGS = ("stream", "exclude_input_in_output", "apply_chat_template", "return_finish_reason",
-          "return_num_input_tokens", "return_num_output_tokens", "return_logprobs", "return_cumulative_logprob")
-_NON_SAMPLING_PARAMETERS = set(_FLAGS) | {"text_input", "input_ids", "sampling_parameters"}
+_FLAGS = GENERATE_FLAGS
+# A request parameter named like an input is never a sampling parameter (the flags among them count as
+# flags): the HTTP generate endpoint passes a key as a parameter where the config declares no such input.
+_NON_SAMPLING_PARAMETERS = {spec.name for spec in GENERATE_INPUTS}
 # Request parameters are scalars: these come as their JSON text, a list or an object.
 _JSON_TEXT_PARAMETERS = {"stop": "[", "logit_bias": "{", "guided_decoding": "{", "structured_outputs": "{"}
 
