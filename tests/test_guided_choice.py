@@ -1,13 +1,19 @@
-"""guided_decoding {"choice": [...]}: the output is one of the strings, as transformers constrained the same way."""
+"""guided_decoding {"choice": [...]}: the output is one of the strings, each written with the tokens the
+tokenizer writes it with alone (byte-level pieces of a character included), as transformers constrained
+the same way."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from grpc_stream import StreamClient, make_inputs
 from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.guided.decoding import Guides
 
 CHOICES = ["The Eiffel Tower", "The Louvre museum", "The Seine", "Notre-Dame de Paris", "The"]
+# The packaged model's tokenizer writes each of these emoji as three byte-level pieces, not one token.
+EMOJI_CHOICES = ["👍 yes", "👎 no", "🤷 not sure"]
 PROMPT = "Name the most famous sight of Paris in a few words."
 
 
@@ -22,9 +28,30 @@ def _reference_allowed(choices: list[list[int]], eos: int, prompt_len: int):
     return allowed
 
 
-def test_greedy_choice_equals_transformers_with_the_same_constraint(engine, hf_model, tokenizer):
-    import torch
+def test_allowed_tokens_are_the_next_tokens_of_the_choices_as_written_alone(tokenizer):
+    eos = tokenizer.eos_token_id
+    guide = Guides(tokenizer, {eos}).for_request(
+        SamplingParams(guided_decoding={"choice": CHOICES + EMOJI_CHOICES}).guided_decoding)
+    choices = [tokenizer.encode(c, add_special_tokens=False) for c in CHOICES + EMOJI_CHOICES]
+    reference = _reference_allowed(choices, eos, 0)
+    for choice in choices:
+        cursor = guide.start()
+        for k in range(len(choice) + 1):
+            head = choice[:k]
+            assert cursor.allowed_tokens(head).tolist() == reference(0, torch.tensor(head, dtype=torch.long)), head
+            extended = any(len(c) > k and c[:k] == head for c in choices)
+            assert cursor.is_complete(head) == (head in choices and not extended), head
 
+
+def test_a_choice_written_in_byte_level_pieces(engine, tokenizer):
+    params = SamplingParams(max_tokens=12, guided_decoding={"choice": EMOJI_CHOICES})
+    [out] = engine.generate(["Is Paris in France? Answer with an emoji and a word."], params, apply_chat_template=True)
+    assert out.text in EMOJI_CHOICES and out.finish_reason == "stop", out.text
+    assert out.token_ids == tokenizer.encode(out.text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([t]) for t in out.token_ids)  # a piece of a character
+
+
+def test_greedy_choice_equals_transformers_with_the_same_constraint(engine, hf_model, tokenizer):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                         tokenize=True, return_dict=False)
     params = SamplingParams(max_tokens=16, guided_decoding={"choice": CHOICES})

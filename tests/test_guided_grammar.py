@@ -1,19 +1,19 @@
 """guided_decoding {"grammar": ...}: the tokens a grammar allows are exactly those a hand-written
-recogniser of its language allows (and, for regular grammars, those our regex guide allows), and the
-engine's constrained greedy output equals transformers' generate constrained by that recogniser.
-A recursive JSON schema takes the same guide."""
+recogniser of its language allows (and, for regular grammars, those the regex guide allows for the
+same language), and the engine's constrained greedy output equals transformers' generate constrained
+by that recogniser. A recursive JSON schema nests as deep as a grammar does."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.guided.grammar import GrammarVocabulary, GuidedGrammar, compile_grammar
-from tritonllm.guided.regex import GuidedRegex, VocabularyTrie
-from tritonllm.guided.regex_automaton import RegexAutomaton
 from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.guided.decoding import Guides
+from tritonllm.guided.grammar import GrammarVocabulary, GuidedGrammar, compile_grammar
 
 # Lists of numbers nested to any depth: not a regular language, so no regular expression guide can follow it.
 NESTED_GBNF = """
@@ -53,8 +53,12 @@ def nested_list_state(text: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def texts(tokenizer):
-    return VocabularyTrie.from_tokenizer(tokenizer).texts
+def texts(tokenizer) -> list[str | None]:
+    """Each token's text where it is whole characters (None for special tokens and byte-level pieces)."""
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    texts = [None if i in special else tokenizer.convert_tokens_to_string([p]) for i, p in enumerate(pieces)]
+    return [None if t is None or "\ufffd" in t else t for t in texts]
 
 
 def _recogniser_allowed(texts, text: str, eos: int) -> list[int]:
@@ -83,28 +87,27 @@ def test_allowed_tokens_are_exactly_those_that_keep_a_sentence_possible(tokenize
     ('root ::= "(" [a-c]* ")" | "x" [^()]{0,3}', r"\([a-c]*\)|x[^()]{0,3}", ["", "(ab", "x", "xé"]),
 ])
 def test_a_regular_grammar_allows_what_the_regex_guide_allows(tokenizer, grammar, pattern, texts_after):
-    # Two independent implementations of one language. The regex guide never takes a token that holds
-    # part of a character, nor a special token; neither can the grammar here (ASCII, and "é" is whole).
-    vocabulary = VocabularyTrie.from_tokenizer(tokenizer)
-    eos = {0, 2}  # every end of sequence id is allowed where the output is a sentence
-    regex_guide = GuidedRegex(RegexAutomaton(pattern), vocabulary, eos_token_ids=eos)
-    grammar_guide = GuidedGrammar(compile_grammar(grammar), GrammarVocabulary(tokenizer, eos))
-    partial = {i for i, t in enumerate(vocabulary.texts) if t is None}
+    # One language written two ways, as a grammar and as a regular expression: the same tokens,
+    # byte-level pieces of a character (after "x", of any but "(" and ")") and every end of sequence id included.
+    eos = {0, 2}
+    guides = Guides(tokenizer, eos)
+    regex_guide = guides.for_request(SamplingParams(guided_decoding={"regex": pattern}).guided_decoding)
+    grammar_guide = guides.for_request(SamplingParams(guided_decoding={"grammar": grammar}).guided_decoding)
     for text in texts_after:
         ids = tokenizer.encode(text, add_special_tokens=False)
-        from_grammar = [t for t in grammar_guide.start().allowed_tokens(ids).tolist() if t not in partial or t in eos]
-        assert from_grammar == regex_guide.allowed_after(text).tolist(), text
+        from_grammar = grammar_guide.start().allowed_tokens(ids).tolist()
+        assert from_grammar == regex_guide.start().allowed_tokens(ids).tolist(), text
+        assert (eos <= set(from_grammar)) == bool(re.fullmatch(pattern, text)), text
 
 
-def test_text_the_grammar_forces_is_written_as_the_tokenizer_writes_it(tokenizer):
+def test_text_the_grammar_forces_is_written_as_the_tokenizer_writes_it(tokenizer, texts):
     # After "y" only "es" can follow: llguidance then allows the tokens the tokenizer would write
-    # "es" with, not every token that spells part of it (the regex guide also allows "e").
+    # "es" with, not every token that spells part of it ("e" does too).
     guide = GuidedGrammar(compile_grammar('start: ("yes" | "no") "!"?'), GrammarVocabulary(tokenizer, {0}))
-    vocabulary = VocabularyTrie.from_tokenizer(tokenizer)
     after_y = guide.start().allowed_tokens(tokenizer.encode("y", add_special_tokens=False)).tolist()
     assert after_y == tokenizer.encode("es", add_special_tokens=False)
-    regex_after_y = GuidedRegex(RegexAutomaton("(yes|no)!?"), vocabulary, {0}).allowed_after("y").tolist()
-    assert set(after_y) < set(regex_after_y) and tokenizer.encode("e", add_special_tokens=False)[0] in regex_after_y
+    spelling = [i for i, t in enumerate(texts) if t and "es".startswith(t)]
+    assert set(after_y) < set(spelling) and tokenizer.encode("e", add_special_tokens=False)[0] in spelling
 
 
 @pytest.mark.parametrize("grammar, message", [
@@ -168,9 +171,8 @@ def _is_tree(value) -> bool:
             and all(_is_tree(child) for child in value["children"]))
 
 
-def test_a_recursive_json_schema_is_followed_through_the_grammar_guide(engine):
-    # No regular expression nests without bound, so the regex guide refuses this schema; llguidance's
-    # JSON grammar follows it.
+def test_a_recursive_json_schema_is_followed(engine):
+    # A tree nests without bound: llguidance's parser keeps its brackets however deep it goes.
     copy = '{"name": "root", "children": [{"name": "left", "children": []}, {"name": "right", "children": [{"name": "leaf", "children": []}]}]}'
     prompts = [f"Repeat this JSON exactly: {copy}", "A tree with one root and no children, as JSON."]
     outs = engine.generate(prompts, SamplingParams(max_tokens=96, guided_decoding={"json": TREE}),

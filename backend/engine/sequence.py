@@ -7,8 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from tritonllm.guided.choice import GuidedChoice
-from tritonllm.guided.regex import RegexCursor
+from tritonllm.guided.grammar import GrammarCursor
 from tritonllm.engine.sampling_params import SamplingParams
 
 
@@ -74,7 +73,7 @@ class Sequence:
         self.num_emitted_tokens = 0
         self.bad_word_ids: list[tuple[int, ...]] = []  # params.bad_words as token ids (set by the engine)
         # params.guided_decoding's guide, with this sequence's progress through it (set by the engine)
-        self.guided: GuidedChoice | RegexCursor | None = None
+        self.guided: GrammarCursor | None = None
         # params.prompt_logprobs: per prompt position p < num_prompt_tokens - 1, the entries scoring token
         # p + 1 (prompt_logprobs.py), filled as the prompt's chunks run
         self.prompt_logprobs: list[list[tuple[int, float, int]]] = []

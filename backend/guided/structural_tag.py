@@ -8,12 +8,12 @@ then its `end`, and the text is free again until the next trigger. A structure b
 trigger its `begin` starts with, as in vLLM.
 
 llguidance builds the grammar (`StructTag`: a trigger is a lazy lexeme, which ends the free text at
-its first occurrence) and guided_grammar.py follows it. A trigger written like `<|python_tag|>` that
+its first occurrence) and grammar.py follows it. A trigger written like `<|python_tag|>` that
 is one of the model's special tokens must be matched as that token, not as text; the tokenizer says
 which, so the request is checked on arrival with every trigger as text and compiled again for the
 engine's tokenizer (`structural_tag_grammar(..., special_triggers)`).
 
-The JSON is written as the other JSON guides write it: one space after `:` and `,`, or
+The JSON is written as the `json` guide writes it: one space after `:` and `,`, or
 `whitespace_pattern` between tokens when the request gives one.
 """
 
@@ -23,7 +23,7 @@ import json
 from functools import lru_cache
 
 from tritonllm.engine.errors import InvalidRequestError, json_object
-from tritonllm.guided.grammar import json_compile_options, llguidance_module, one_paragraph
+from tritonllm.guided.grammar import closed_objects, json_compile_options, llguidance_module, one_paragraph
 
 
 def parse_structural_tag(value) -> dict:
@@ -80,7 +80,7 @@ def structural_tag_grammar(tag_text: str, whitespace_pattern: str | None = None,
     tags = []
     for s in tag["structures"]:
         trigger = next(t for t in tag["triggers"] if s["begin"].startswith(t))
-        schema = dict(s["schema"])
+        schema = closed_objects(s["schema"])
         schema.setdefault("x-guidance", json_compile_options(whitespace_pattern))
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     grammar = llguidance.grammar_from("lark", llguidance.StructTag.to_grammar(tags, assume_special=bool(special_triggers)))
