@@ -9,9 +9,11 @@ guide takes the token added since the last step and gives the mask (or ids) of t
 one the guide allows, else the run stops.
 
 Reported per kind, in microseconds per token: `first` (the first sequence on a fresh engine's guides:
-what the guide builds lazily as it goes is included), `warm` (later sequences of the same request
-spec, the median over --repeats), the same with the mask row written (`warm+row`), and `start` (a
-request's guide looked up and a sequence's parse started, warm).
+what the guide builds lazily as it goes is included; its median and slowest token), `warm` (later
+sequences of the same request spec, the median over --repeats), the same with the mask row written
+(`warm+row`); and per sequence `start` (a request's guide looked up and a sequence's parse started,
+warm) and `first_start_ms` (the same on a fresh engine's guides: the tokenizer's vocabulary made
+ready for guides, and the guide built).
 
 Runs against either checkout: the package layout is found by trying the newer module names first,
 so `/path/to/other/.venv/bin/python bench/guided_mask_cost.py` measures that checkout's code.
@@ -52,9 +54,12 @@ CASES = {
 }
 
 
-def walk(guides: Guides, guided: dict, output: list[int], vocab: int) -> tuple[list[float], list[float]]:
-    """Seconds per token: the guide's next tokens, and those written into a mask row, along `output`."""
+def walk(guides: Guides, guided: dict, output: list[int], vocab: int) -> tuple[float, list[float], list[float]]:
+    """Seconds to look up the guide and start the sequence's parse, then per token: the guide's next
+    tokens, and those written into a mask row, along `output`."""
+    began = time.perf_counter()
     cursor = guides.for_request(guided).start()
+    start_s = time.perf_counter() - began
     mask_s, row_s = [], []
     for k in range(len(output) + 1):
         started = time.perf_counter()
@@ -67,7 +72,7 @@ def walk(guides: Guides, guided: dict, output: list[int], vocab: int) -> tuple[l
             ok = allowed[output[k]] if allowed.dtype == np.bool_ else output[k] in allowed
             if not ok:
                 raise SystemExit(f"the guide does not allow token {k} of its output ({output[k]})")
-    return mask_s, row_s
+    return start_s, mask_s, row_s
 
 
 def main() -> None:
@@ -80,18 +85,17 @@ def main() -> None:
     for kind, (spec, text) in CASES.items():
         guided = SamplingParams(guided_decoding=spec).guided_decoding  # checked (and compiled) as on arrival
         output = tokenizer.encode(text, add_special_tokens=False)
-        first, _ = walk(Guides(tokenizer, eos), guided, output, vocab)
+        setup_s, first, _ = walk(Guides(tokenizer, eos), guided, output, vocab)
         guides = Guides(tokenizer, eos)
         walk(guides, guided, output, vocab)
         warm, warm_row, start = [], [], []
         for _ in range(args.repeats):
-            began = time.perf_counter()
-            guides.for_request(guided).start()
-            start.append(time.perf_counter() - began)
-            mask_s, row_s = walk(guides, guided, output, vocab)
+            start_s, mask_s, row_s = walk(guides, guided, output, vocab)
+            start.append(start_s)
             warm.append(statistics.median(mask_s))
             warm_row.append(statistics.median(row_s))
         print(json.dumps({"kind": kind, "tokens": len(output) + 1, "vocab": vocab,
+                          "first_start_ms": round(setup_s * 1e3, 1),
                           "first_us": round(statistics.median(first) * 1e6, 1),
                           "first_max_us": round(max(first) * 1e6, 1),
                           "warm_us": round(statistics.median(warm) * 1e6, 1),
