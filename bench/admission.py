@@ -50,7 +50,7 @@ def workload(name: str, requests: int, max_tokens: int) -> tuple[list[list[int]]
 
 
 def run(prompts: list[list[int]], params: SamplingParams, kv_blocks: int, reserve: bool):
-    engine = Engine(EngineConfig(model="default", num_kv_blocks=kv_blocks, max_num_seqs=len(prompts),
+    engine = Engine(EngineConfig.from_parameters(model="default", num_kv_blocks=kv_blocks, max_num_seqs=len(prompts),
                                  reserve_known_growth=reserve))
     computed = 0
     schedule = engine.scheduler.schedule

@@ -9,8 +9,6 @@ template applied) and the same exact output lengths (max_tokens + ignore_eos), a
               closed-loop concurrency sweep (throughput and TPOT against C, as a PNG)
   ours_bf16   the same server with cpu_gemm=avx512_bf16 (bfloat16 GEMM weights, lossy, opt-in),
               the replay only; skipped where the CPU lacks AVX512-BF16
-  ours_amx    the same server with amx_gemm=true (the exact-block GEMMs on AMX tiles, opt-in), the
-              replay only; skipped where the CPU has no AMX tiles
   hf_serial   transformers generate, fp32, one request at a time (SEEDS.md 000's baseline server);
               --serial-sample K runs K of them and extrapolates (marked as such)
   hf_static   transformers static batches (--static-batch, default 32), sorted by prompt length
@@ -35,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules, whe
 
 import compare_report as report  # noqa: E402
 
-ALL_SYSTEMS = ("ours", "ours_bf16", "ours_amx", "hf_serial", "hf_static", "vllm", "llamacpp")
+ALL_SYSTEMS = ("ours", "ours_bf16", "hf_serial", "hf_static", "vllm", "llamacpp")
 
 
 def _int_list(text: str) -> list[int]:
@@ -168,8 +166,6 @@ class Comparison:
             dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(params.get("dtype", ""), "fp32")  # CPU auto = fp32
             if params.get("cpu_gemm") == "avx512_bf16":
                 dtype += " with bf16 GEMM operands"
-            if params.get("amx_gemm") == "true":
-                dtype += " with AMX tiles"
             desc = (f"tritonllm on tritonserver (nvidia-pytriton 0.7.0), {dtype}, tritonclient gRPC streaming; "
                     + ", ".join(f"{k}={v}" for k, v in params.items()))
 
@@ -202,13 +198,12 @@ class Comparison:
         self.run_guarded(name, desc, run)
 
     def run_ours_variant(self, name: str) -> None:
-        """One of our opt-in GEMM paths (ours_bf16, ours_amx): the replay only, or a skipped row where
-        this CPU lacks what it needs."""
+        """One of our opt-in GEMM paths (ours_bf16): the replay only, or a skipped row where this CPU
+        lacks what it needs."""
         from tritonllm.devices.cpu import kernels as cpu_kernels
 
         overrides, supported, missing = {
             "ours_bf16": ({"cpu_gemm": "avx512_bf16"}, cpu_kernels.packed_gemm_bf16_supported, "AVX512-BF16"),
-            "ours_amx": ({"amx_gemm": "true"}, cpu_kernels.amx_block_gemm_supported, "AMX tiles"),
         }[name]
         if not supported():
             option = ", ".join(f"{k}={v}" for k, v in overrides.items())
@@ -353,7 +348,7 @@ class Comparison:
               f"load average {os.getloadavg()[0]:.2f}", flush=True)
         if "ours" in systems:
             self.run_ours()
-        for variant in ("ours_bf16", "ours_amx"):
+        for variant in ("ours_bf16",):
             if variant in systems:
                 self.run_ours_variant(variant)
         self.run_machine()

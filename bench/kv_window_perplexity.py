@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--sinks", default="0,4")
     args = ap.parse_args()
     rows = []
-    base = Engine(EngineConfig(num_kv_blocks=256, enable_prefix_caching=False, warmup=False))
+    base = Engine(EngineConfig.from_parameters(num_kv_blocks=256, enable_prefix_caching=False, warmup=False))
     ids = base.tokenizer.encode(fixed_text())[:args.tokens]
     for window in [int(w) for w in args.windows.split(",")]:
         for sinks in ([0] if window == 0 else [int(s) for s in args.sinks.split(",")]):

@@ -28,7 +28,7 @@ def system_prompt(words: int) -> str:
 
 
 def run(enable_prefix_caching: bool, prompts: list[str], max_tokens: int, waves: int) -> dict:
-    engine = Engine(EngineConfig(enable_prefix_caching=enable_prefix_caching, num_kv_blocks=2048,
+    engine = Engine(EngineConfig.from_parameters(enable_prefix_caching=enable_prefix_caching, num_kv_blocks=2048,
                                  max_num_seqs=64, max_num_batched_tokens=512))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     per_wave = len(prompts) // waves

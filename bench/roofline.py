@@ -5,7 +5,7 @@ compares numbers taken minutes apart on the same (possibly shared) machine:
 - GEMM rate: fp32 at 2048^3 (the machine's practical peak) and at the decode shapes of batch 64
   ([64,576]x[576,1536] as in gate/up, and the LM head [64,576]x[576,49152]), each through torch's
   own F.linear / torch.mm (MKL on x86) and through oneDNN with the weight packed once (what the
-  engine uses on CPU, layers/linear.py). The peak is the better of the two at 2048^3.
+  engine uses on CPU, devices/cpu/packed_linear.py). The peak is the better of the two at 2048^3.
 - KV bytes per token: layers x 2 x kv_heads x head_dim x dtype bytes from config.json, next to the
   bytes the offline engine's pool really spends per token slot (equal means no padding waste).
 - Decode step at batch 64: the offline Engine (warm) with 64 sequences all decoding; `step()`
@@ -52,7 +52,7 @@ def gemm_rates(threads: int, hidden: int = 576, intermediate: int = 1536, vocab:
     x = torch.randn(batch, hidden, generator=gen)
     w_up, w_head = torch.randn(intermediate, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen)
     from tritonllm.devices.cpu import kernels as cpu_kernels
-    from tritonllm.layers.linear import PackedWeight, onednn_packing_supported
+    from tritonllm.devices.cpu.packed_linear import PackedWeight, onednn_packing_supported
 
     def both(x, w, flops) -> dict:
         """aten's rate, oneDNN's and ours (AVX-512) with the weight packed once, and the best of them (best/median)."""
@@ -87,10 +87,12 @@ def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> dict:
 
 def decode_flops(model: nn.Module, batch: int, context_lens: list[int]) -> dict:
     """FLOPs of one decode step: weights (Linear layers + LM head) and attention (QK^T and PV)."""
-    # Every GEMM weight of the layers, counted from the Linear shapes (packed weights free the plain ones).
-    linear = sum(m.in_features * m.out_features for m in model.layers.modules() if isinstance(m, nn.Linear))
-    head = 0 if getattr(model, "lm_head", None) is not None else model.embed_tokens.weight.numel()  # tied head
+    from tritonllm.devices.cpu.packed_linear import PackedLinear
+
+    # Every GEMM weight of the layers, counted from the layers' shapes (packed layers keep no plain weight).
+    linear = sum(m.in_features * m.out_features for m in model.layers.modules() if isinstance(m, (nn.Linear, PackedLinear)))
     cfg = model.config
+    head = cfg.vocab_size * cfg.hidden_size
     head_dim = getattr(model, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
     attention = sum(4 * cfg.num_attention_heads * head_dim * ctx for ctx in context_lens) * cfg.num_hidden_layers
     return {"weight_params": linear + head, "weights": 2 * batch * (linear + head), "attention": attention}
@@ -112,7 +114,7 @@ def decode_step(model_dir: Path, threads: int, prompt_ids: list[list[int]], batc
     blocks = sum(-(-(len(p) + max_tokens) // block) for p in prompts) + 64
     # No speculative drafts: the step timed is one of `batch` rows (a sequence whose text repeats itself
     # would otherwise earn drafts, and its extra rows would count as the same batch).
-    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", num_threads=threads,
+    engine = Engine(EngineConfig.from_parameters(model=str(model_dir), device="cpu", dtype="float32", num_threads=threads,
                                  max_num_seqs=batch, max_num_batched_tokens=budget, block_size=block,
                                  num_kv_blocks=blocks, speculative_tokens=0))
     pool_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in engine.runner.kv_caches)
@@ -175,7 +177,7 @@ def decode_step(model_dir: Path, threads: int, prompt_ids: list[list[int]], batc
         "prefill_s": prefill_s,
         "flops": flops,
         "kv_pool_bytes_per_token_slot": pool_bytes / (engine.runner.num_blocks * block),
-        "engine_kv_bytes_per_token": engine.runner.kv_bytes_per_token,
+        "engine_kv_bytes_per_token": engine.runner.kv_plan.kv_bytes_per_token,
     }
     del engine
     return result

@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    engine = Engine(EngineConfig(num_kv_blocks=4096, max_num_seqs=args.requests, max_num_batched_tokens=512))
+    engine = Engine(EngineConfig.from_parameters(num_kv_blocks=4096, max_num_seqs=args.requests, max_num_batched_tokens=512))
     prompts = [f"Describe person number {i} as JSON with name, age, city and hobbies." for i in range(args.requests)]
     best: dict[str, float] = {}
     for _ in range(args.rounds):

@@ -43,7 +43,7 @@ def write_model(folder: str, window: int, layers: int) -> None:
 
 def run(folder: str, window_pool: bool, window_blocks: int, prompts: list[list[int]], max_tokens: int, kv_bytes: int,
         max_model_len: int) -> tuple[dict, list[list[int]]]:
-    engine = Engine(EngineConfig(model=folder, window_pool=window_pool, num_window_kv_blocks=window_blocks,
+    engine = Engine(EngineConfig.from_parameters(model=folder, window_pool=window_pool, num_window_kv_blocks=window_blocks,
                                  kv_cache_max_bytes=kv_bytes, max_model_len=max_model_len, max_num_seqs=len(prompts),
                                  max_num_batched_tokens=128))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -59,7 +59,7 @@ def run(folder: str, window_pool: bool, window_blocks: int, prompts: list[list[i
     tokens = sum(s.num_output_tokens for s in seqs)
     return {"window_pool": window_pool, "num_window_kv_blocks": window_blocks, "main_pool_blocks": runner.num_blocks,
             "window_pool_blocks": runner.num_window_blocks,
-            "sequences_of_max_model_len_held": round(runner.max_concurrency, 1),
+            "sequences_of_max_model_len_held": round(runner.kv_plan.max_concurrency, 1),
             "peak_running": peak_running, "preemptions": engine.scheduler.num_preemptions,
             "total_s": round(elapsed, 2), "output_tok_s": round(tokens / elapsed, 1)}, [s.output_token_ids for s in seqs]
 

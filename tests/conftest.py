@@ -23,7 +23,7 @@ def engine(model_dir):
     from tritonllm.engine.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
-    eng = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=1024, max_model_len=2048,
+    eng = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=1024, max_model_len=2048,
                               max_num_batched_tokens=512, max_num_seqs=32))
     yield eng
     assert not eng.has_unfinished()
@@ -98,10 +98,11 @@ def pytest_terminal_summary(terminalreporter):
     try:
         from tritonllm.devices.cpu import kernels as cpu_kernels
 
-        amx = "AMX tiles usable" if cpu_kernels.amx_block_gemm_supported() else "no AMX tiles"
+        kernels = ("CPU kernels with " + ("AVX-512" if cpu_kernels.packed_gemm_supported() else "no AVX-512") + ", "
+                   + ("AVX512-BF16" if cpu_kernels.packed_gemm_bf16_supported() else "no AVX512-BF16"))
     except Exception as exc:  # noqa: BLE001 - a summary line, never a failure
-        amx = f"CPU kernels not loaded ({type(exc).__name__})"
-    terminalreporter.write_line(f"machine: {cpu}, {os.cpu_count()} CPUs, {amx}")
+        kernels = f"CPU kernels not loaded ({type(exc).__name__})"
+    terminalreporter.write_line(f"machine: {cpu}, {os.cpu_count()} CPUs, {kernels}")
     if _stopped_serving:
         terminalreporter.write_sep("=", f"the session's tritonserver stopped serving after {_stopped_serving['after']}")
         terminalreporter.write_line(_stopped_serving["why"])

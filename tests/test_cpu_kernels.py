@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tritonllm.devices.cpu import kernels as cpu_kernels
 from tritonllm.layers.attention import AttentionGroup, _decode_group, write_kv
-from tritonllm.layers.rotary import RotaryEmbedding
+from tritonllm.layers.rotary import RotaryEmbedding, apply_rotary
 
 # Where a compiler exists the kernels must build: a broken build must not hide behind the fallback.
 pytestmark = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
@@ -176,7 +176,7 @@ def test_rope_write_kv_equals_rotary_and_write_kv(tokens, heads, kv_heads, kv_dt
     k_ref = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(kv_dtype)
     v_ref = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen).to(kv_dtype)
     k_got, v_got = k_ref.clone(), v_ref.clone()
-    qk = rotary.apply(qkv[:, :heads + kv_heads], cos, sin)
+    qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
     write_kv(k_ref, v_ref, qk[:, heads:], qkv[:, heads + kv_heads:], slots)
     q = cpu_kernels.rope_write_kv(qkv, cos, sin, k_got, v_got, slots, heads, kv_heads)
     torch.testing.assert_close(q, qk[:, :heads], rtol=1e-5, atol=1e-5)
@@ -204,12 +204,16 @@ def test_rope_write_kv_rejects_bad_slots_and_dtypes():
 
 @pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 49152), (64, 1000)])
 def test_greedy_head_equals_torch_path(rows, vocab):
-    from tritonllm.runner.sampler import SamplingBatch, choose_tokens, unpack_tokens
+    from tritonllm.devices.cpu.backend import CpuBackend
+    from tritonllm.engine.config import CpuOptions
+    from tritonllm.runner.sampler import choose_tokens, unpack_tokens
+    from tritonllm.runner.sampling_batch import SamplingBatch
 
     gen = torch.Generator().manual_seed(rows)
     logits = torch.randn(rows, vocab, generator=gen) * 8
     logits[0, vocab // 2] = logits[0, vocab - 1] = logits[0].max() + 1  # a tie: the lower index wins
-    ids, logprobs = unpack_tokens(choose_tokens(logits.clone(), SamplingBatch(), cpu_kernel=True).numpy())
+    fused = CpuBackend(CpuOptions(), torch.float32, batch_hint=64).greedy_head
+    ids, logprobs = unpack_tokens(choose_tokens(logits.clone(), SamplingBatch(), fused).numpy())
     ref_ids, ref_logprobs = unpack_tokens(choose_tokens(logits.clone(), SamplingBatch()).numpy())
     assert ids == ref_ids and ids[0] == vocab // 2
     assert logprobs == pytest.approx(ref_logprobs, abs=1e-5)
@@ -222,6 +226,7 @@ def test_greedy_head_equals_torch_path(rows, vocab):
 ])
 def test_prompt_chunks_through_the_kernel_equal_the_sdpa_path(decode_lengths, prompts):
     """Each prompt token goes through the decode kernel as a query row with its own causal mask."""
+    from tritonllm.devices.cpu.fused_layers import kernel_attention
     from tritonllm.layers.attention import paged_attention
     from tritonllm.engine.sampling_params import SamplingParams
     from tritonllm.scheduling.scheduler import ScheduledSeq
@@ -245,8 +250,9 @@ def test_prompt_chunks_through_the_kernel_equal_the_sdpa_path(decode_lengths, pr
     v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
     q = torch.randn(len(host.input_ids), heads, head_dim, generator=gen)
     scale = head_dim ** -0.5
-    expected = paged_attention(q, k_cache, v_cache, to_device(host, torch.device("cpu"), False).meta, scale)
-    got = paged_attention(q, k_cache, v_cache, to_device(host, torch.device("cpu"), True).meta, scale)
+    meta = to_device(host, torch.device("cpu")).meta
+    expected = paged_attention(q, k_cache, v_cache, meta, scale)
+    got = kernel_attention(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -260,8 +266,8 @@ def test_engine_tokens_equal_with_and_without_kernel(kv_cache_dtype):
     params = {"max_tokens": 24, "temperature": 0.0}
     outputs = {}
     for on in (True, False):
-        engine = Engine(EngineConfig(device="cpu", num_threads=2, cpu_kernels=on, num_kv_blocks=256, warmup=False,
+        engine = Engine(EngineConfig.from_parameters(device="cpu", num_threads=2, cpu_kernels=on, num_kv_blocks=256, warmup=False,
                                      kv_cache_dtype=kv_cache_dtype))
-        assert engine.runner.use_cpu_kernels is on
+        assert engine.runner.backend.kernels is on
         outputs[on] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outputs[True] == outputs[False]

@@ -1,4 +1,4 @@
-"""The decoder layers as one C++ call (models/decoder_stack.py, csrc/decoder_stack.cpp): taken for
+"""The decoder layers as one C++ call (devices/cpu/decoder_stack.py, csrc/decoder_stack.cpp): taken for
 decode-only and prompt-only steps, and bit for bit what the modules compute."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tritonllm.devices.cpu import kernels as cpu_kernels
+from tritonllm.devices.cpu.decoder_stack import DecoderStack
 
 avx512 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
                             reason="kernels built without AVX-512 (this CPU lacks it)")
@@ -20,7 +21,17 @@ def engine(model_dir, **overrides):
     from tritonllm.engine.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
-    return Engine(EngineConfig(model=str(model_dir), num_threads=2, num_kv_blocks=256, warmup=False, **overrides))
+    return Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2, num_kv_blocks=256, warmup=False, **overrides))
+
+
+def stack_of(model) -> DecoderStack | None:
+    """The stack the CPU backend runs the model's layers through, if it gave it one."""
+    return getattr(model.run_layers, "stack", None)
+
+
+def use_modules(model) -> None:
+    """Run the layers as modules: the model's own `run_layers` again."""
+    del model.run_layers
 
 
 class CountingStack:
@@ -36,6 +47,15 @@ class CountingStack:
         self.calls.append(hidden.shape[0])
         return self.stack(hidden, kv_caches, meta, attention)
 
+    wrap = DecoderStack.wrap  # the same choice per step as the stack's own
+
+
+def count_stack_steps(model) -> CountingStack:
+    counter = CountingStack(stack_of(model))
+    use_modules(model)
+    model.run_layers = counter.wrap(model.run_layers)
+    return counter
+
 
 @avx512
 @pytest.mark.parametrize("exact_blocks", [True, False])
@@ -50,9 +70,8 @@ def test_engine_outputs_equal_with_and_without_the_stack(model_dir, exact_blocks
     for on in (True, False):
         eng = engine(model_dir, exact_block_weights=exact_blocks)
         model = eng.runner.model
-        assert model.decoder_stack is not None
-        counter = CountingStack(model.decoder_stack) if on else None
-        model.decoder_stack = counter
+        assert stack_of(model) is not None
+        counter = count_stack_steps(model) if on else use_modules(model)
         params = SamplingParams(max_tokens=12, logprobs=True, ignore_eos=True)
         outs = eng.generate(prompts[:1], params) + eng.generate(prompts, params)
         results[on] = ([o.token_ids for o in outs], torch.tensor([o.logprobs for o in outs]))
@@ -75,14 +94,15 @@ def test_a_mixed_step_takes_the_stack_with_the_modules_results(model_dir):
         eng = engine(model_dir)
         model = eng.runner.model
         calls_per_step = []
-        real_applies = model.decoder_stack.applies
+        stack = stack_of(model)
+        real_applies = stack.applies
 
         def applies(hidden, meta, real_applies=real_applies, calls_per_step=calls_per_step):
             calls = real_applies(hidden, meta)
             calls_per_step.append(len(calls))
             return calls if on else None
 
-        model.decoder_stack.applies = applies
+        stack.applies = applies
         first = eng.make_sequence("Tell me about the moon.", params)
         eng.add_sequence(first)
         eng.step()  # its prompt
@@ -118,11 +138,10 @@ def test_query_key_and_output_norms_run_in_the_stack_with_the_modules_results(fa
     for on in (True, False):
         eng = engine(tmp_path)
         model = eng.runner.model
-        stack = model.decoder_stack
+        stack = stack_of(model)
         assert stack is not None and len(stack.qk_norms) == 2 * 3
         assert (len(stack.norms), len(stack.output_norms)) == ((2 * 3, 0) if family == "qwen3" else (0, 2 * 3))
-        counter = CountingStack(stack) if on else None
-        model.decoder_stack = counter
+        counter = count_stack_steps(model) if on else use_modules(model)
         outs = eng.generate(prompt_token_ids=prompts, params=params)
         results[on] = ([o.token_ids for o in outs], torch.tensor([o.logprobs for o in outs]))
         if on:
@@ -136,4 +155,4 @@ def test_query_key_and_output_norms_run_in_the_stack_with_the_modules_results(fa
 
 def test_no_stack_without_the_avx512_gemm(model_dir):
     eng = engine(model_dir, cpu_gemm="aten")
-    assert eng.runner.model.decoder_stack is None
+    assert stack_of(eng.runner.model) is None

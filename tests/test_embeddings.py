@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
-from tritonllm.engine.config import ConfigError
+from tritonllm.engine.parameters import ConfigError
 from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
 from tritonllm.embeddings.engine import EmbeddingEngine
 from tritonllm.embeddings.request import TIMESTAMPS, EmbeddingRequest, TextItem

@@ -96,11 +96,11 @@ def test_float16_kv_cache_halves_kv_memory_and_stays_close_to_transformers(model
     from tritonllm.engine.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
-    half = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, kv_cache_dtype="float16", warmup=False))
+    half = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=512, kv_cache_dtype="float16", warmup=False))
     k_cache, v_cache = half.runner.kv_caches[0]
     assert k_cache.dtype == v_cache.dtype == torch.float16
     m = half.runner.model
-    assert half.runner.kv_bytes_per_token == m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
+    assert half.runner.kv_plan.kv_bytes_per_token == m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
     outs = half.generate(prompt_token_ids=[ids for ids, _, _ in reference], params=SamplingParams(max_tokens=MAX_NEW))
     same = 0
     for out, (_, ref_ids, ref_lps) in zip(outs, reference):

@@ -8,7 +8,7 @@ import torch
 
 from tritonllm.devices.cpu import kernels as cpu_kernels
 from tritonllm.devices.cpu.exact_blocks import find_blocks
-from tritonllm.layers.linear import BLOCKS_MAX_ROWS, PackedWeight
+from tritonllm.devices.cpu.packed_linear import BLOCKS_MAX_ROWS, PackedWeight
 
 avx512 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
                             reason="kernels built without AVX-512 (this CPU lacks it)")
@@ -196,13 +196,17 @@ def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
     """The packaged GGUF is Q4_1 in every decoder linear and Q8_0 in its tied embedding: every linear
     and the LM head get their blocks, and on the real weights the block GEMM gives the float32
     GEMM's results bit for bit."""
-    from tritonllm.layers.linear import Linear
+    from tritonllm.devices.cpu.backend import CpuBackend
+    from tritonllm.devices.cpu.packed_linear import PackedLinear
+    from tritonllm.engine.config import CpuOptions
     from tritonllm.models.loader import load_model
 
-    model = load_model(model_dir, torch.float32, torch.device("cpu"), 256, cpu_gemm="avx512", exact_blocks=True)
-    linears = [m.packed for m in model.modules() if isinstance(m, Linear)]
+    backend = CpuBackend(CpuOptions(gemm="avx512", exact_blocks=True), torch.float32, batch_hint=64)
+    model = backend.optimize(load_model(model_dir, torch.float32, torch.device("cpu"), 256))
+    linears = [m.packed for m in model.layers.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 4 * model.num_layers and all(p.blocks is not None for p in linears)
-    head = model.tied_head_packed
+    head = backend.head
+    assert model.lm_head.packed is head
     assert head is not None and head.blocks is not None and head.blocks[0].shape[2] == 32  # 8-bit codes
     gen = torch.Generator().manual_seed(0)
     for rows in (BLOCKS_MAX_ROWS, 64):  # 64: as many as tune_blocks_max_rows may hand them on some CPUs
@@ -212,7 +216,7 @@ def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
             assert torch.equal(bits(cpu_kernels.block_gemm(x, *p.blocks, None, p.out_features)), bits(want))
     # The rows up to which the blocks are read were timed at load; never fewer than the default.
     assert all(p.blocks_max_rows == linears[0].blocks_max_rows >= BLOCKS_MAX_ROWS for p in linears)
-    assert model.decoder_stack.blocks_max_rows == linears[0].blocks_max_rows
+    assert model.run_layers.stack.blocks_max_rows == linears[0].blocks_max_rows
     assert head.blocks_max_rows >= BLOCKS_MAX_ROWS  # the head's own crossover, timed alike
 
 
@@ -227,9 +231,9 @@ def test_engine_outputs_equal_with_and_without_the_blocks(model_dir):
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     results = {}
     for on in (True, False):
-        engine = Engine(EngineConfig(model=str(model_dir), num_threads=2, exact_block_weights=on, num_kv_blocks=256,
-                                     warmup=False, amx_gemm=False))  # AMX: other bits (test_amx_block_gemm.py)
-        assert (engine.runner.model.tied_head_packed.blocks is not None) is on
+        engine = Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2, exact_block_weights=on,
+                                                     num_kv_blocks=256, warmup=False))
+        assert (engine.runner.backend.head.blocks is not None) is on
         alone = engine.generate(prompts[:1], SamplingParams(max_tokens=16, logprobs=True))
         ids_only = engine.generate(prompts, SamplingParams(max_tokens=16, logprobs=False))
         results[on] = ([o.token_ids for o in alone], torch.tensor([o.logprobs for o in alone]),

@@ -691,7 +691,7 @@ def small_engine(model_dir):
     from tritonllm.engine.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
-    return Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=512, max_num_seqs=2,
+    return Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=64, max_model_len=512, max_num_seqs=2,
                                warmup=False))
 
 

@@ -1,4 +1,4 @@
-"""The screened greedy head (layers/greedy_screen.py, csrc/screened_greedy_head.cpp): the float32 head's
+"""The screened greedy head (devices/cpu/greedy_screen.py, csrc/screened_greedy_head.cpp): the float32 head's
 ids, ties included, from a bfloat16 LM head and its error bound; and the engine using it only for
 rows that want no log-prob."""
 
@@ -94,9 +94,9 @@ def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_a
     ids_only = SamplingParams(max_tokens=24, logprobs=False)
     outputs = {}
     for on in (True, False):
-        engine = Engine(EngineConfig(model=str(model_dir), num_threads=2, greedy_screen=on, num_kv_blocks=256,
+        engine = Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2, greedy_screen=on, num_kv_blocks=256,
                                      warmup=False))
-        assert (engine.runner.model.greedy_screen is not None) is on
+        assert (engine.runner.backend.screen is not None) is on
         outputs[on] = [o.token_ids for o in engine.generate(prompts, ids_only)]
         if on:  # one request wants log-probs, three do not, in the same steps: it gets them (the float32
             # head), they get NaN (the screen), and every id is the one it had alone
@@ -137,10 +137,10 @@ def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_pat
 
     outputs = {}
     for on in (True, False):
-        engine = Engine(EngineConfig(model=str(untied), num_threads=2, greedy_screen=on, num_kv_blocks=128,
+        engine = Engine(EngineConfig.from_parameters(model=str(untied), num_threads=2, greedy_screen=on, num_kv_blocks=128,
                                      warmup=False))
         model = engine.runner.model
-        assert model.lm_head is not None and (model.greedy_screen is not None) is on
+        assert not model.tie_word_embeddings and (engine.runner.backend.screen is not None) is on
         outputs[on] = [o.token_ids for o in engine.generate(["The capital of France is", "Hi"],
                                                              SamplingParams(max_tokens=16, logprobs=False))]
     assert outputs[True] == outputs[False]

@@ -74,7 +74,7 @@ def _reference(model, ids: list[int], max_tokens: int) -> list[int]:
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
 def test_greedy_outputs_equal_transformers(family, cpu_kernels, tokenizer, tmp_path):
     model = write_tiny_model(FAMILIES[family](tiny_config_args(tokenizer)), tokenizer, tmp_path)
-    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+    engine = Engine(EngineConfig.from_parameters(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  cpu_kernels=cpu_kernels))
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     outs = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -87,7 +87,7 @@ def test_output_logprobs_equal_transformers(family, tokenizer, tmp_path):
     # What greedy ids cannot show: a scale of the logits (Granite's logits_scaling), an activation a
     # little off (GELU's tanh form against erf).
     model = write_tiny_model(FAMILIES[family](tiny_config_args(tokenizer)), tokenizer, tmp_path)
-    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
+    engine = Engine(EngineConfig.from_parameters(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
     ids = tokenizer.encode(PROMPTS[2], add_special_tokens=False)
     [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=8, ignore_eos=True))
     with torch.no_grad():
@@ -117,7 +117,7 @@ SLIDING = {
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
 def test_sliding_window_layers_equal_transformers_past_the_window(family, cpu_kernels, tokenizer, tmp_path):
     model = write_tiny_model(SLIDING[family](tiny_config_args(tokenizer)), tokenizer, tmp_path)
-    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+    engine = Engine(EngineConfig.from_parameters(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  max_num_batched_tokens=64, cpu_kernels=cpu_kernels))
     assert engine.max_model_len == 256
     # Outputs running 40 tokens past the window, and a prompt longer than it in two chunks of the
@@ -145,9 +145,9 @@ def test_blocks_behind_a_window_every_layer_slides_are_freed_exactly(cpu_kernels
     # Mistral's every layer attends to its last 32 positions: a 120-token output holds ~3 blocks of 16,
     # not 9, and stays transformers' own; a second request for the same prompt reuses its cached blocks.
     model = write_tiny_model(SLIDING["mistral"](tiny_config_args(tokenizer)), tokenizer, tmp_path)
-    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+    engine = Engine(EngineConfig.from_parameters(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  cpu_kernels=cpu_kernels, warmup=False))
-    assert engine.runner.model.kv_release_window == 32 and engine.config.block_size == 16
+    assert engine.runner.model.kv_release_window == 32 and engine.config.cache.block_size == 16
     ids = tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False)
     assert 16 < len(ids) < 32
     tokens, peak = _peak_used_blocks(engine, ids, 120)
@@ -161,7 +161,7 @@ def test_blocks_behind_a_window_every_layer_slides_are_freed_exactly(cpu_kernels
 def test_blocks_stay_where_some_layer_attends_to_the_whole_sequence(tokenizer, tmp_path):
     # Gemma 2's full-attention layers read every position: nothing behind the window is freed.
     write_tiny_model(SLIDING["gemma2"](tiny_config_args(tokenizer)), tokenizer, tmp_path)
-    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+    engine = Engine(EngineConfig.from_parameters(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  warmup=False))
     assert engine.runner.model.attention_window == 32 and engine.runner.model.kv_release_window is None
     _, peak = _peak_used_blocks(engine, tokenizer.encode(PROMPTS[0], add_special_tokens=False), 120)
@@ -178,7 +178,7 @@ def test_longrope_caps_max_model_len_where_its_frequencies_change(partial, token
                                                    "short_factor": [1.0 + i / 8 for i in range(pairs)],
                                                    "long_factor": [4.0 + i for i in range(pairs)]})
     model = write_tiny_model(config, tokenizer, tmp_path)
-    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
+    engine = Engine(EngineConfig.from_parameters(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4))
     assert engine.max_model_len == 32
     ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=64, ignore_eos=True))
@@ -201,7 +201,7 @@ def test_longrope_caps_max_model_len_where_its_frequencies_change(partial, token
 def test_what_the_engine_cannot_compute_is_refused_by_name(config, message, tokenizer, tmp_path):
     write_tiny_model(config(tiny_config_args(tokenizer)), tokenizer, tmp_path)
     with pytest.raises(ValueError, match=message):
-        Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256))
+        Engine(EngineConfig.from_parameters(model=str(tmp_path), num_kv_blocks=64, max_model_len=256))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3", "phi4-partial-rotary", "granite", "gemma2", "gemma3", "olmo2",
@@ -212,7 +212,7 @@ def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokeniz
     # The workers' sliding masks too, and (gemma3-sliding) their sliding layer's own KV pool.
     config = SLIDING[family.removesuffix("-sliding")] if family.endswith("-sliding") else FAMILIES[family]
     model = write_tiny_model(config(tiny_config_args(tokenizer)), tokenizer, tmp_path)
-    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+    engine = Engine(EngineConfig.from_parameters(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  tensor_parallel_size=2))
     try:
         prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:2]]

@@ -21,7 +21,7 @@ def test_greedy_completions_equal_the_single_one_and_share_its_prompt_blocks(eng
     assert len({o.request_id for o in outs}) == 3
     assert all(o.token_ids == alone.token_ids and o.text == alone.text for o in outs)
     # The first computed the prompt; the others took every whole block of it from the cache.
-    bs = engine.config.block_size
+    bs = engine.config.cache.block_size
     num_prompt = len(outs[0].prompt_token_ids)
     assert all(o.num_cached_prompt_tokens >= bs * ((num_prompt - 1) // bs) for o in outs[1:])
     assert outs[0].num_cached_prompt_tokens < bs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tritonllm.engine.config import CacheConfig, SchedulerConfig
 from tritonllm.scheduling.block_manager import BlockManager
 from tritonllm.engine.sampling_params import SamplingParams
 from tritonllm.scheduling.scheduler import Scheduler
@@ -10,8 +11,10 @@ from tritonllm.engine.sequence import FinishReason, Sequence
 BS = 4
 
 
-def make(num_blocks=64, max_seqs=8, budget=32, policy="fcfs", **kw) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, BS, watermark=0.0), max_seqs, budget, 1024, policy, **kw)
+def make(num_blocks=64, max_seqs=8, budget=32, policy="fcfs", reserve_known_growth=False, **cache) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy,
+                             reserve_known_growth=reserve_known_growth)
+    return Scheduler(BlockManager(num_blocks, BS, watermark=0.0), config, 1024, CacheConfig(block_size=BS, **cache))
 
 
 def seq(n, rid, max_tokens=8, priority=0) -> Sequence:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
-from tritonllm.engine.config import ConfigError, EngineConfig
+from tritonllm.engine.config import EngineConfig, SpeculativeConfig
+from tritonllm.engine.parameters import ConfigError
 from tritonllm.scheduling.ngram_draft import DraftAcceptance, NgramIndex, accepted_tokens
 from tritonllm.engine.sampling_params import SamplingParams
 
@@ -43,9 +45,9 @@ def test_accepted_tokens_stop_at_the_first_draft_token_the_model_did_not_choose(
 
 def test_speculative_tokens_must_not_be_negative():
     with pytest.raises(ConfigError, match="speculative_tokens"):
-        EngineConfig(speculative_tokens=-1)
+        EngineConfig.from_parameters(speculative_tokens=-1)
     with pytest.raises(ConfigError, match="speculative_min_acceptance"):
-        EngineConfig(speculative_min_acceptance=1.5)
+        EngineConfig.from_parameters(speculative_min_acceptance=1.5)
 
 
 def test_draft_acceptance_scores_each_position_up_to_the_first_wrong_one():
@@ -71,7 +73,7 @@ def test_thirteen_right_guesses_in_a_row_earn_drafts_at_the_default_bar():
         record.expect(len(tokens), [n])
         tokens.append(n)
         record.settle(tokens)
-        if record.rate >= EngineConfig().speculative_min_acceptance:
+        if record.rate >= EngineConfig().speculative.min_acceptance:
             break
     assert n + 1 == 13
 
@@ -81,22 +83,23 @@ def test_thirteen_right_guesses_in_a_row_earn_drafts_at_the_default_bar():
 def speculating(engine):
     """The shared engine with drafts of up to 4 tokens in steps of up to 8 sequences (and only there), for one test."""
     scheduler = engine.scheduler
-    saved = scheduler.speculative_tokens, scheduler.speculative_max_batch, scheduler.speculative_min_acceptance
-    scheduler.speculative_tokens, scheduler.speculative_max_batch, scheduler.speculative_min_acceptance = 4, 8, 1.0
+    saved = scheduler.speculative
+    scheduler.speculative = SpeculativeConfig(num_tokens=4, max_batch=8, min_acceptance=1.0)
     yield engine
-    scheduler.speculative_tokens, scheduler.speculative_max_batch, scheduler.speculative_min_acceptance = saved
+    scheduler.speculative = saved
 
 
 def _run(engine, prompts, params, spec: bool, chat: bool = True):
     scheduler = engine.scheduler
-    saved = scheduler.speculative_tokens
-    scheduler.speculative_tokens = saved if spec else 0
+    saved = scheduler.speculative
+    if not spec:
+        scheduler.speculative = dataclasses.replace(saved, num_tokens=0)
     try:
         steps = engine.num_steps
         outs = engine.generate(prompts, params, apply_chat_template=chat)
         return outs, engine.num_steps - steps
     finally:
-        scheduler.speculative_tokens = saved
+        scheduler.speculative = saved
 
 
 def test_greedy_tokens_and_logprobs_are_those_of_decoding_one_at_a_time(speculating):
@@ -147,7 +150,7 @@ def test_many_sequences_take_no_drafts_and_the_prefix_cache_holds_accepted_token
     [first], _ = _run(speculating, [COPY_PROMPT], SamplingParams(max_tokens=64, ignore_eos=True), spec=True)
     full = first.prompt_token_ids + first.token_ids
     [again] = speculating.generate(prompt_token_ids=[full[:-1]], params=SamplingParams(max_tokens=1, ignore_eos=True))
-    bs = speculating.config.block_size
+    bs = speculating.config.cache.block_size
     assert again.num_cached_prompt_tokens >= (len(full) - 1) // bs * bs - bs
     assert again.token_ids == [full[-1]]
     assert not math.isnan(first.logprobs[0])
@@ -159,12 +162,12 @@ def test_sequences_whose_drafts_keep_being_right_draft_in_larger_steps(speculati
     prompts = [f"{COPY_PROMPT} ({i})" for i in range(9)]
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     plain, plain_steps = _run(speculating, prompts, params, spec=False)
-    speculating.scheduler.speculative_min_acceptance = 0.8
+    speculating.scheduler.speculative = dataclasses.replace(speculating.scheduler.speculative, min_acceptance=0.8)
     drafted, drafted_steps = _run(speculating, prompts, params, spec=True)
     assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
     assert [o.logprobs for o in drafted] == [o.logprobs for o in plain]
     assert drafted_steps < plain_steps - 10
     # Free text at a bar no average reaches: no drafts, the same steps.
-    speculating.scheduler.speculative_min_acceptance = 1.0
+    speculating.scheduler.speculative = dataclasses.replace(speculating.scheduler.speculative, min_acceptance=1.0)
     again, again_steps = _run(speculating, prompts, params, spec=True)
     assert again_steps == plain_steps and [o.token_ids for o in again] == [o.token_ids for o in plain]

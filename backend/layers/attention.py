@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache.
+"""Attention over the paged KV cache, in torch ops that run on any device.
 
 The step's tokens are flattened (no padding between sequences): decode tokens first, then the
 prompt chunks. New K/V are written into the block pool through `slot_mapping`; each group then
@@ -8,18 +8,11 @@ a KV head into the query-length axis, so K/V are never repeated per query head.
 The pool is head-major, [kv_heads, num_blocks, block_size, head_dim] per layer: gathering one KV
 head's blocks for a batch gives a contiguous [batch, context, head_dim] matrix that batched GEMMs
 read as they are. Decodes (one query per sequence) use exactly that: per KV head, one gather of K
-and V, then QK^T, softmax and PV as two batched GEMMs. On a 2-core CPU at batch 64 and context 256
-this is 2.5 ms per layer against 8-15 ms for the token-major pool with SDPA, whose kernel pays a
-fixed cost per (sequence, head) that a single query row cannot amortise. Prompt chunks use SDPA
-(many query rows per sequence).
+and V, then QK^T, softmax and PV as two batched GEMMs; SDPA's fixed cost per (sequence, head) is
+not amortised by a single query row. Prompt chunks use SDPA (many query rows per sequence).
 
-On a CPU in float32, decodes go through our C++ kernel instead when it is built (cpu_kernels.py):
-it reads K/V in place from the pool, so no step copies the contexts (0.6 / 1.1 / 1.8 ms per layer
-with every block from DRAM, against 2.5 / 5.4 / 7.2 ms for the gather path at batch 64, contexts
-up to 128 / 256 / 384-400). Prompt tokens go through the same kernel, each token a query row of
-its own with its causal mask (`AttentionGroup.per_token_rows`): no gather, no padding between
-prompts, and blocks past a row's position are skipped (a 110-token prompt's first token 165 ->
-138 ms, 2,000 tokens 5.1 -> 4.6 s against SDPA over the gathered blocks).
+`PagedAttention` is the layer a model holds; a device backend may replace it with a subclass that
+runs the same computation through its own kernels (devices/).
 """
 
 from __future__ import annotations
@@ -29,7 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tritonllm.devices.cpu import kernels as cpu_kernels
+from torch import nn
+
+from tritonllm.layers.rotary import apply_rotary
 
 
 @dataclass
@@ -43,7 +38,7 @@ class AttentionGroup:
     token_offset: int  # first flat token row of this group
     num_tokens: int
     bias: torch.Tensor | None = None  # decode: mask as 0 / -inf [batch, 1, width], made once per step
-    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # prompts through the CPU kernel, made once per step
+    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # per_token_rows(), made once per step
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as an additive bias for the decode GEMMs, built by the first layer, reused by the rest."""
@@ -75,13 +70,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V go in the pool
     decode: list[AttentionGroup]  # decodes, split by context length so short ones are not padded to long ones
     prefill: AttentionGroup | None
-    cpu_kernels: bool = False  # decodes and the layers' elementwise ops through our C++ CPU kernels (cpu_kernels.py)
-    rope_cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim]: looked up once per step, not per layer
-    rope_sin: torch.Tensor | None = None
+    # (cos, sin), each [num_tokens, 1, head_dim]: looked up once per step by the model, not per layer.
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
     # For a model's sliding-window layers: the same step, each group's mask limited to the window (and,
-    # where their K/V have a pool of their own, that pool's slots and block tables: window_pool.py).
+    # where their K/V have a pool of their own, that pool's slots and block tables: scheduling/window_pool.py).
     sliding: "AttentionMetadata | None" = None
-    # (cos, sin) as rope_cos / rope_sin for sliding layers that rotate by frequencies of their own (Gemma 3).
+    # (cos, sin) as `rope`, for sliding layers that rotate by frequencies of their own (Gemma 3).
     local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -159,33 +153,11 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch, max_q, num_heads, head_dim)
 
 
-def kernel_calls(meta: AttentionMetadata, num_tokens: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]] | None:
-    """The paged_decode_attention calls that cover the step's query rows, as (first row, end row,
-    block tables, mask [rows, width]): one per decode group, then one for the prompt chunks (each
-    prompt token one query row with its causal mask). None without the CPU kernels."""
-    if not meta.cpu_kernels:
-        return None
-    calls = [(g.token_offset, g.token_offset + g.num_tokens, g.block_tables, g.mask.view(g.mask.shape[0], -1))
-             for g in meta.decode]
-    if meta.prefill is not None:
-        calls.append((meta.prefill.token_offset, num_tokens, *meta.prefill.per_token_rows()))
-    return calls
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
     """q: [tokens, heads, head_dim] (K/V already written) -> [tokens, heads, head_dim].
 
-    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2); our C++
-    kernel does not cap, so such attention takes the torch path."""
-    calls = kernel_calls(meta, len(q)) if softcap is None else None
-    if calls is not None:
-        if len(calls) == 1:  # most steps: the kernel's result is the whole output, no copy into one
-            return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, calls[0][2], calls[0][3], scale)
-        out = torch.empty_like(q)
-        for start, end, tables, mask in calls:
-            out[start:end] = cpu_kernels.paged_decode_attention(q[start:end], k_cache, v_cache, tables, mask, scale)
-        return out
+    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
     out = torch.empty_like(q)
     for g in meta.decode:
         rows = slice(g.token_offset, g.token_offset + g.num_tokens)
@@ -200,3 +172,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             res = _attend_group(q_pre, k_cache, v_cache, g, scale, softcap)
             out[g.token_offset:] = res.reshape(-1, *res.shape[2:])[g.output_index]
     return out
+
+
+class PagedAttention(nn.Module):
+    """One layer's attention after its QKV projection: rotary embedding on Q and K, K and V written
+    into the paged pool, then attention over each sequence's blocks.
+
+    `softcap`: Gemma 2's capped scores (None: plain softmax attention).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, softcap: float | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.softcap = scale, softcap
+
+    def forward(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [tokens, heads + 2 kv_heads, head_dim] -> [tokens, heads, head_dim]."""
+        k_cache, v_cache = kv_cache
+        q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
+        qk = apply_rotary(qkv[:, :k_end], *rope)
+        write_kv(k_cache, v_cache, qk[:, q_end:], qkv[:, k_end:], meta.slot_mapping)
+        return paged_attention(qk[:, :q_end], k_cache, v_cache, meta, self.scale, self.softcap)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tritonllm.devices.cpu import kernels as cpu_kernels
-
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
@@ -23,9 +21,6 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """residual += x (in place), then the norm of it; `fused`: one pass in our C++ kernel
-        (float32 CPU, cpu_kernels.py)."""
-        if fused:
-            return cpu_kernels.add_rms_norm_(residual, x, self.weight, self.eps)
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place), then the norm of it."""
         return self(residual.add_(x))

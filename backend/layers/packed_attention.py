@@ -3,9 +3,8 @@
 Texts arrive back to back on one token axis, sorted by length. They are split into groups of
 similar length (a group's padding is at most `MAX_PADDING` of its real tokens); each group is one
 `scaled_dot_product_attention` call over [texts, max_len], with a key mask only when its lengths
-differ. Padding one batch to its longest text instead made a mixed batch of 64 texts (8 to 256
-tokens) spend over 40 % of its time on padded attention on our CPU; grouping removes nearly all of
-that for a few extra kernel calls per layer.
+differ. Padding a whole mixed batch to its longest text would spend much of its time on padded
+attention; grouping removes nearly all of that for a few extra kernel calls per layer.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ MAX_PADDING = 0.2  # padded slots / real tokens allowed in one group
 
 
 @dataclass
-class AttentionGroup:
+class LengthGroup:
     """Texts [first text .. ] occupying token rows [start, end) of the packed axis."""
 
     start: int
@@ -30,14 +29,14 @@ class AttentionGroup:
     unpad_index: torch.Tensor | None  # [end - start] rows of the flattened [num_texts * max_len] output
     key_mask: torch.Tensor | None  # [num_texts, 1, 1, max_len] bool, True = real token
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "AttentionGroup":
+    def to(self, device: torch.device, non_blocking: bool = False) -> "LengthGroup":
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return AttentionGroup(self.start, self.end, self.num_texts, self.max_len, move(self.pad_index),
+        return LengthGroup(self.start, self.end, self.num_texts, self.max_len, move(self.pad_index),
                               move(self.unpad_index), move(self.key_mask))
 
-    def pin_memory(self) -> "AttentionGroup":
+    def pin_memory(self) -> "LengthGroup":
         pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return AttentionGroup(self.start, self.end, self.num_texts, self.max_len, pin(self.pad_index),
+        return LengthGroup(self.start, self.end, self.num_texts, self.max_len, pin(self.pad_index),
                               pin(self.unpad_index), pin(self.key_mask))
 
 
@@ -53,7 +52,7 @@ def group_lengths(lens: list[int], max_padding: float = MAX_PADDING) -> list[tup
     return groups
 
 
-def make_groups(lens: list[int]) -> list[AttentionGroup]:
+def make_groups(lens: list[int]) -> list[LengthGroup]:
     """Attention groups for texts of these lengths (ascending), as host tensors."""
     if any(a > b for a, b in zip(lens, lens[1:])):
         raise ValueError("texts must be sorted by length (ascending)")
@@ -70,12 +69,12 @@ def make_groups(lens: list[int]) -> list[AttentionGroup]:
             pad_index = torch.where(real, starts.unsqueeze(1) + slot, torch.zeros((), dtype=torch.int64))
             unpad_index = torch.nonzero(real.view(-1)).view(-1)  # row-major: text by text, in token order
             key_mask = real.view(num, 1, 1, max_len)
-        groups.append(AttentionGroup(start, start + num_tokens, num, max_len, pad_index, unpad_index, key_mask))
+        groups.append(LengthGroup(start, start + num_tokens, num, max_len, pad_index, unpad_index, key_mask))
         start += num_tokens
     return groups
 
 
-def packed_attention(qkv: torch.Tensor, groups: list[AttentionGroup], num_heads: int, head_dim: int) -> torch.Tensor:
+def packed_attention(qkv: torch.Tensor, groups: list[LengthGroup], num_heads: int, head_dim: int) -> torch.Tensor:
     """qkv: [tokens, 3 * heads * head_dim] (Q, K, V blocks) -> [tokens, heads * head_dim]."""
     outs = []
     for g in groups:

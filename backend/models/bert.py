@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonllm.layers.packed_attention import AttentionGroup, make_groups, packed_attention
+from tritonllm.layers.packed_attention import LengthGroup, make_groups, packed_attention
 
 SUPPORTED_MODEL_TYPES = ("bert",)
 
@@ -28,7 +28,7 @@ class PackedBatch:
     positions: torch.Tensor  # [tokens] int64, 0.. within each text
     seq_index: torch.Tensor  # [tokens] int64: which text each token belongs to
     seq_lens: torch.Tensor  # [texts] float32 (divisor of the mean)
-    groups: list[AttentionGroup]
+    groups: list[LengthGroup]
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "PackedBatch":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731

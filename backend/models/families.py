@@ -168,7 +168,7 @@ def kv_release_window(cfg, max_position: int) -> int | None:
 
 
 def window_pool_layers(cfg, max_position: int) -> list[bool] | None:
-    """Per layer, whether its K/V live in the window pool (window_pool.py): the sliding layers of a model
+    """Per layer, whether its K/V live in the window pool (scheduling/window_pool.py): the sliding layers of a model
     where other layers attend to the whole sequence. None when there is no such mix (one pool; when every
     layer slides, that pool frees what is behind the window itself)."""
     sliding = sliding_layers(cfg)

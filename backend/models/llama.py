@@ -26,35 +26,26 @@ so within it the outputs are the model's own.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonllm.devices.cpu import kernels as cpu_kernels
-from tritonllm.layers.attention import AttentionMetadata, paged_attention, write_kv
-from tritonllm.devices.cpu.greedy_screen import GreedyScreen
-from tritonllm.layers.linear import Linear, PackedWeight, pack_linears, choose_amx_min_rows, tune_blocks_max_rows
+from tritonllm.layers.attention import AttentionMetadata, PagedAttention
 from tritonllm.layers.norm import RMSNorm
 from tritonllm.layers.rotary import RotaryEmbedding, rope_by_layer_type
-from tritonllm.parallel.shard import SINGLE, TPShard
-from tritonllm.devices.cpu.decoder_stack import DecoderStack
-from tritonllm.models.families import (HEAD_NORM_MODEL_TYPES, PROJECTION_NORM_MODEL_TYPES, FamilyVariant, MoeSpec, attention_window,
-                       check_supported, kv_release_window, sliding_layers, window_pool_layers)
+from tritonllm.models.families import (HEAD_NORM_MODEL_TYPES, PROJECTION_NORM_MODEL_TYPES, FamilyVariant, MoeSpec,
+                                       attention_window, check_supported, kv_release_window, sliding_layers,
+                                       window_pool_layers)
 from tritonllm.models.mlp import GatedMLP
 from tritonllm.models.moe import SparseMoeMLP
-
-logger = logging.getLogger(__name__)
-
-_EXACT_HEAD_MAX_ROWS = 2  # steps of up to this many rows take an exact-block LM head over the greedy screen
+from tritonllm.parallel.shard import SINGLE, TPShard
 
 
 class LlamaAttention(nn.Module):
     """This rank's KV-head groups: column-parallel QKV, row-parallel output projection + all-reduce."""
 
-    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, scale: float | None = None,
-                 softcap: float | None = None, sliding: bool = False, local_rope: bool = False):
+    def __init__(self, cfg, head_dim: int, tp: TPShard, scale: float | None = None, softcap: float | None = None,
+                 sliding: bool = False, local_rope: bool = False):
         super().__init__()
         kv_start, kv_end = tp.split(cfg.num_key_value_heads)
         per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -62,14 +53,13 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.num_kv_heads * per_kv
         self.head_dim = head_dim
         self.tp = tp
-        self.scale = head_dim ** -0.5 if scale is None else scale
-        self.softcap = softcap
         self.sliding = sliding  # attends through the step's sliding-window masks (meta.sliding)
         self.local_rope = local_rope  # rotates by the sliding layers' own frequencies (meta.local_rope)
         bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False)) or cfg.model_type == "qwen2"
-        self.qkv_proj = Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
-        self.rotary = rotary
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim,
+                                   head_dim ** -0.5 if scale is None else scale, softcap)
         # Qwen3 and Gemma 3 norm each query and key head; OLMo 2 and 3 the whole projections, of which this
         # rank holds its heads' part (`_projection_norm` takes the statistic over every rank's).
         self.projection_norms = cfg.model_type in PROJECTION_NORM_MODEL_TYPES
@@ -86,7 +76,7 @@ class LlamaAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # in place, so the fused rotary + KV write below reads the normed heads
+        if self.q_norm is not None:  # in place: the attention reads the normed heads from qkv
             q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
             if self.projection_norms:
                 qkv[:, :q_end] = self._projection_norm(qkv[:, :q_end], self.q_norm, self.projection_widths[0])
@@ -94,18 +84,9 @@ class LlamaAttention(nn.Module):
             else:
                 qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
                 qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
-        k_cache, v_cache = kv_cache
-        cos, sin = meta.local_rope if self.local_rope else (meta.rope_cos, meta.rope_sin)
+        rope = meta.local_rope if self.local_rope else meta.rope
         # A sliding layer's masks, and its slots and block tables where its K/V have a pool of their own.
-        layer_meta = meta.sliding if self.sliding else meta
-        if meta.cpu_kernels:  # rotary + KV write in one pass
-            q = cpu_kernels.rope_write_kv(qkv, cos, sin, k_cache, v_cache, layer_meta.slot_mapping,
-                                          self.num_heads, self.num_kv_heads)
-        else:
-            qk = self.rotary.apply(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-            write_kv(k_cache, v_cache, k, qkv[:, self.num_heads + self.num_kv_heads:], layer_meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, layer_meta, self.scale, self.softcap)
+        out = self.attn(qkv, rope, kv_cache, meta.sliding if self.sliding else meta)
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
 
     def _projection_norm(self, heads: torch.Tensor, norm: RMSNorm, width: int) -> torch.Tensor:
@@ -117,13 +98,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, head_dim: int, rotary: RotaryEmbedding, tp: TPShard, variant: FamilyVariant,
-                 sliding: bool = False, local_rope: bool = False, moe: MoeSpec | None = None):
+    def __init__(self, cfg, head_dim: int, tp: TPShard, variant: FamilyVariant, sliding: bool = False,
+                 local_rope: bool = False, moe: MoeSpec | None = None):
         super().__init__()
         # OLMo 2 and 3 norm neither the attention's input nor the MLP's: those two are None there.
         pre = variant.input_norms
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
-        self.self_attn = LlamaAttention(cfg, head_dim, rotary, tp, variant.attention_scale, variant.attention_softcap,
+        self.self_attn = LlamaAttention(cfg, head_dim, tp, variant.attention_scale, variant.attention_softcap,
                                         sliding, local_rope)
         # The norm between the attention's residual add and the MLP (Gemma 2 calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
@@ -138,28 +119,27 @@ class LlamaDecoderLayer(nn.Module):
         """`residual` is the stream so far, `hidden` the previous layer's MLP output to add to it
         (None before the first layer): each add is folded into the norm that follows it.
         Returns this layer's MLP output and the residual stream (updated in place)."""
-        fused = meta.cpu_kernels
         if residual is None:
             residual = hidden
             hidden = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
         else:
-            hidden = _add_and_norm(self.input_layernorm, residual, hidden, fused)
+            hidden = _add_and_norm(self.input_layernorm, residual, hidden)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
         if self.attn_output_norm is not None:
             hidden = self.attn_output_norm(hidden)
-        hidden = _add_and_norm(self.post_attention_layernorm, residual, hidden, fused)
-        hidden = self.mlp(hidden, fused)
+        hidden = _add_and_norm(self.post_attention_layernorm, residual, hidden)
+        hidden = self.mlp(hidden)
         if self.mlp_output_norm is not None:
             hidden = self.mlp_output_norm(hidden)
         return hidden, residual
 
 
-def _add_and_norm(norm: RMSNorm | None, residual: torch.Tensor, hidden: torch.Tensor, fused: bool) -> torch.Tensor:
+def _add_and_norm(norm: RMSNorm | None, residual: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """residual += hidden, then `norm` of it; without a norm (OLMo) the stream itself, which the
     attention or MLP reads before the next add changes it in place."""
     if norm is None:
         return residual.add_(hidden)
-    return norm.add_and_norm(residual, hidden, fused)
+    return norm.add_and_norm(residual, hidden)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,15 +168,13 @@ class LlamaForCausalLM(nn.Module):
         self.window_pool_layers = window_pool_layers(cfg, max_position)  # sliding layers with a pool of their own
         moe = MoeSpec.of(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.head_dim, self.rotary, tp, self.variant, sliding[i] and bool(self.attention_window),
+            LlamaDecoderLayer(cfg, self.head_dim, tp, self.variant, sliding[i] and bool(self.attention_window),
                               local_rope=by_type and sliding[i], moe=moe if moe and moe.in_layer(cfg, i) else None)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tied_head_packed: PackedWeight | None = None  # the tied LM head, packed (pack_for_cpu)
-        self.greedy_screen: GreedyScreen | None = None  # greedy ids through a bfloat16 head (add_greedy_screen)
-        self.decoder_stack: DecoderStack | None = None  # the layers as one C++ call (pack_for_cpu)
+        # None with tied embeddings: the head is the embedding table (a device backend may give it one).
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -210,16 +188,19 @@ class LlamaForCausalLM(nn.Module):
         return self.config.num_hidden_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
-        hidden, residual = self.embed_tokens(input_ids), None
+        """The step's flat tokens -> their final hidden states (before the final norm)."""
+        hidden = self.embed_tokens(input_ids)
         if self.variant.embedding_scale is not None:
             hidden.mul_(self.variant.embedding_scale)
-        meta.rope_cos, meta.rope_sin = self.rotary.lookup(positions, hidden.dtype)
+        meta.rope = self.rotary.lookup(positions, hidden.dtype)
         if self.local_rotary is not None:
             meta.local_rope = self.local_rotary.lookup(positions, hidden.dtype)
-        if self.decoder_stack is not None:
-            attention = self.decoder_stack.applies(hidden, meta)
-            if attention is not None:  # the same ops as the layers below, in one C++ call
-                return self.decoder_stack(hidden, kv_caches, meta, attention)
+        return self.run_layers(hidden, positions, kv_caches, meta)
+
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers over the embedded tokens. A device backend may run them as one call of
+        its own where a step allows (devices/cpu/decoder_stack.py)."""
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         return residual.add_(hidden)
@@ -232,63 +213,11 @@ class LlamaForCausalLM(nn.Module):
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden)
-        if self.tied_head_packed is not None:
-            return self.tied_head_packed(hidden, None)
         return F.linear(hidden, self.embed_tokens.weight)
 
-    def greedy_ids(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The float32 LM head's argmax per row, through the screen: (ids [rows], tokens recomputed per row)."""
-        return self.greedy_screen(self.norm(hidden))
-
-    def exact_head_beats_screen(self, rows: int) -> bool:
-        """Whether the LM head on its exact quantized blocks (layers/linear.py) costs less than the greedy
-        screen for `rows` rows: then the runner takes the exact head (log-probs included). The default
-        model's 8-bit head: 0.9 against 1.4 ms at 1 row, 1.8 against 1.7 at 4, 3.2 against 2.0 at 8 (AMD
-        EPYC VM); on AMX tiles, 5.4 against 9.8 ms at 32 rows, 8.5 against 19.1 at 64 (Intel Xeon VM)."""
-        head = self.tied_head_packed if self.lm_head is None else self.lm_head.packed
-        if head is None:
-            return False
-        return head.runs_amx(rows) or (rows <= _EXACT_HEAD_MAX_ROWS and head.reads_blocks(rows))
-
-    def add_greedy_screen(self) -> None:
-        """Give the (float32) LM head a bfloat16 screen for greedy ids (layers/greedy_screen.py).
-
-        Before `pack_for_cpu`: the screen keeps the head's plain weight to recompute rows from
-        (for a tied head, the embedding table itself), which packing frees for an untied head.
-        """
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.greedy_screen = GreedyScreen(head)
-
-    def pack_for_cpu(self, kernel: str, batch_hint: int, exact_blocks: bool = False, amx: bool = False) -> None:
-        """Every GEMM weight (and the LM head) packed for `kernel` (layers/linear.py: avx512, avx512_bf16, onednn;
-        `exact_blocks`: weights that are exactly quantized blocks also as those blocks, for GEMMs of few rows;
-        `amx`: on a CPU with AMX-BF16, the layers' GEMMs of enough rows run those blocks on AMX tiles).
-
-        A tied LM head gets its own packed copy: the embedding lookup still needs the plain table
-        (with avx512_bf16 and a greedy screen, the screen's bfloat16 copy, which is the same panels).
-        """
-        pack_linears(self, kernel, batch_hint, exact_blocks)
-        amx_rows = None
-        if exact_blocks and kernel == "avx512":
-            layers = [m.packed for m in self.layers.modules() if isinstance(m, Linear)]
-            logger.info("exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
-                        tune_blocks_max_rows(layers, batch_hint))
-            if amx and cpu_kernels.amx_block_gemm_supported():
-                amx_rows = choose_amx_min_rows(layers)
-                logger.info("AMX tiles run the exact blocks of GEMMs of %s",
-                            f"{amx_rows} rows or more" if amx_rows else "no row count: no layer weight is exact blocks")
-        self.decoder_stack = DecoderStack.build(self)
-        if self.lm_head is None:
-            shared = self.greedy_screen.packed if kernel == "avx512_bf16" and self.greedy_screen is not None else None
-            self.tied_head_packed = PackedWeight(self.embed_tokens.weight, kernel, batch_hint, packed=shared,
-                                                 exact_blocks=exact_blocks)
-        head = self.tied_head_packed if self.lm_head is None else self.lm_head.packed
-        if head is not None:
-            head.amx_min_rows = amx_rows  # the layers' threshold: the head's 8-bit blocks widen alike
-            if head.blocks is not None:
-                # Its own crossover: an 8-bit head's blocks are a quarter of its panels' bytes, not an eighth.
-                logger.info("the LM head's exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
-                            tune_blocks_max_rows([head], batch_hint))
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's [vocab, hidden] weight: its own, or the embedding table it is tied to."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def load_hf_state_dict(self, tensors) -> None:
         """Copy Hugging Face weights into the fused layout, keeping only this rank's shard.

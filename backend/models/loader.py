@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 
-from tritonllm.devices.cpu import kernels as cpu_kernels
-from tritonllm.layers.linear import resolve_cpu_gemm
 from tritonllm.models.llama import LlamaForCausalLM
 from tritonllm.parallel.shard import SINGLE, TPShard
 
-logger = logging.getLogger(__name__)
 
-
-class _SafetensorsIndex:
+class SafetensorsIndex:
     """name -> tensor across all *.safetensors files of a folder, read lazily."""
 
     def __init__(self, folder: Path):
@@ -62,23 +57,12 @@ def load_hf_config(folder: Path):
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_position: int,
-               tp: TPShard = SINGLE, cpu_gemm: str = "aten", batch_hint: int = 64,
-               greedy_screen: bool = False, exact_blocks: bool = False, amx: bool = False) -> LlamaForCausalLM:
-    """On a CPU, `cpu_gemm` "avx512", "avx512_bf16" or "onednn" packs the GEMM weights once for that kernel
-    (layers/linear.py; oneDNN's layout tuned for `batch_hint` rows), falling back to the next one
-    down where it cannot run; "aten", and accelerators, keep the weights as they are.
-
-    `greedy_screen`: also give the LM head the bfloat16 screen for float32 greedy ids
-    (layers/greedy_screen.py) where it can run: CPU, a float32 model, AVX512-BF16. With
-    `avx512_bf16` it makes the greedy ids those of a float32 head on the same hidden states.
-
-    `exact_blocks` (with `avx512`): GEMM weights (linears, LM head) that are exactly quantized blocks (a
-    GGUF Q4_1 / Q8_0 origin, layers/exact_blocks.py) also keep those blocks, which GEMMs of few rows read;
-    `amx` (with them): on a CPU with AMX-BF16, GEMMs of enough rows run those blocks on AMX tiles.
-    """
+               tp: TPShard = SINGLE) -> LlamaForCausalLM:
+    """The plain PyTorch model of `folder` (this rank's shard of it), in `dtype` on `device`, ready to
+    run; a device backend may optimize it afterwards (devices/)."""
     cfg = load_hf_config(folder)
     model = LlamaForCausalLM(cfg, max_position, tp)
-    tensors = _SafetensorsIndex(folder)
+    tensors = SafetensorsIndex(folder)
     model.load_hf_state_dict(tensors)
     _refuse_unused_weights(tensors, tied_head=model.tie_word_embeddings)
     # The rotary cos/sin tables stay float32 (cast per use) for accuracy in half precision.
@@ -86,21 +70,10 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     model = model.to(device=device, dtype=dtype)
     for rotary, cos, sin in rotaries:
         rotary.cos, rotary.sin = cos.to(device), sin.to(device)
-    model.eval()
-    kernel = resolve_cpu_gemm(cpu_gemm, device, dtype)
-    if device.type == "cpu" and kernel != cpu_gemm:
-        logger.warning("cpu_gemm=%s cannot run for %s on this CPU and build: using %s", cpu_gemm, dtype, kernel)
-    if greedy_screen and device.type == "cpu" and dtype == torch.float32:
-        if cpu_kernels.packed_gemm_bf16_supported():
-            model.add_greedy_screen()  # before packing, which frees an untied head's plain weight
-        else:
-            logger.info("greedy_screen: this CPU or build has no AVX512-BF16; the float32 head takes every row")
-    if kernel != "aten":
-        model.pack_for_cpu(kernel, batch_hint, exact_blocks, amx)
-    return model
+    return model.eval()
 
 
-def _refuse_unused_weights(tensors: _SafetensorsIndex, tied_head: bool) -> None:
+def _refuse_unused_weights(tensors: SafetensorsIndex, tied_head: bool) -> None:
     """A checkpoint weight the model did not read is a part it would not compute (an MLP bias, a norm of
     an architecture variant): refused by name rather than served wrong. Ignored: rotary frequency
     buffers some checkpoints save, and an LM head saved beside the embeddings it is tied to."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tritonllm.devices.cpu import kernels as cpu_kernels
-from tritonllm.layers.linear import Linear
 from tritonllm.parallel.shard import TPShard
 from tritonllm.models.families import ACTIVATIONS, activation_name
 
@@ -27,15 +25,14 @@ class GatedMLP(nn.Module):
         self.reduce = reduce
         self.activation = activation_name(cfg)
         self.act = ACTIVATIONS[self.activation]
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if fused and self.activation == "silu":
-            act = cpu_kernels.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = self.act(gate) * up
-        out = self.down_proj(act)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         return self.tp.all_reduce(out) if self.reduce else out
+
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[tokens, 2 * intermediate] -> act(gate) * up, [tokens, intermediate]."""
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.act(gate) * up

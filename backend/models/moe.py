@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tritonllm.layers.linear import Linear
 from tritonllm.parallel.shard import TPShard
 from tritonllm.models.families import MoeSpec
 from tritonllm.models.mlp import GatedMLP
@@ -28,11 +27,11 @@ class SparseMoeMLP(nn.Module):
         super().__init__()
         self.spec = spec
         self.tp = tp
-        self.gate = Linear(cfg.hidden_size, spec.num_experts, bias=False)  # the router, on every rank
+        self.gate = nn.Linear(cfg.hidden_size, spec.num_experts, bias=False)  # the router, on every rank
         self.experts = nn.ModuleList(GatedMLP(cfg, tp, spec.expert_size, reduce=False) for _ in range(spec.num_experts))
         shared = spec.shared_expert_size
         self.shared_expert = GatedMLP(cfg, tp, shared, reduce=False) if shared else None
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if shared else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top_k experts ([tokens, top_k]) and their weights, from float32 probabilities."""
@@ -42,7 +41,7 @@ class SparseMoeMLP(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         k = self.spec.top_k
         order = torch.argsort(experts.flatten(), stable=True)  # the (token, choice) pairs by expert
@@ -53,8 +52,8 @@ class SparseMoeMLP(nn.Module):
         for expert, count in zip(self.experts, counts):
             if count:
                 chosen = rows[start:start + count]
-                out.index_add_(0, chosen, expert(x[chosen], fused) * pair_weights[start:start + count])
+                out.index_add_(0, chosen, expert(x[chosen]) * pair_weights[start:start + count])
                 start += count
         if self.shared_expert is not None:
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, fused)
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)

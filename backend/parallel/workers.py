@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from tritonllm.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +40,23 @@ class TensorParallelError(RuntimeError):
 class WorkerSpec:
     """What a worker needs to load its shard (sent once, pickled, over its socket)."""
 
+    config: EngineConfig  # the engine's, whole: the device backend's options travel in it
     model_dir: str
     dtype: str  # torch dtype name, e.g. "float32"
+    kv_cache_dtype: str  # the pool's torch dtype name (kv_cache_dtype resolved)
     device: str  # this rank's device, e.g. "cpu" or "cuda:1"
     max_model_len: int
     rank: int
-    world_size: int
     num_threads: int  # torch intra-op threads on CPU (0: leave torch's default)
-    block_size: int
-    cpu_gemm: str = "aten"  # EngineConfig.cpu_gemm
-    batch_hint: int = 64  # rows the packed CPU weights are tuned for (max_num_seqs)
-    cpu_kernels: bool = False  # EngineConfig.cpu_kernels
-    exact_blocks: bool = False  # EngineConfig.exact_block_weights
-    amx: bool = False  # EngineConfig.amx_gemm
-    kv_cache_dtype: str = "float32"  # the pool's torch dtype name (EngineConfig.kv_cache_dtype resolved)
+
+    @property
+    def world_size(self) -> int:
+        return self.config.parallel.tensor_parallel_size
+
+
+def threads_per_rank(config: EngineConfig) -> int:
+    """Torch threads for each rank on a CPU, where the ranks share the machine's cores."""
+    return config.device.num_threads or max(1, (os.cpu_count() or 1) // config.parallel.tensor_parallel_size)
 
 
 def python_executable() -> str:
@@ -116,10 +120,13 @@ class TensorParallelWorkers:
             if message != "loaded":
                 raise TensorParallelError(f"tensor-parallel worker rank {rank}: unexpected {message!r}")
 
-    def connect(self, store_port: int, num_blocks: int, num_window_blocks: int) -> None:
-        """Tell the workers to join the process group (rank 0 joins it right after this) and their pools' sizes."""
+    def connect(self, device: torch.device, num_blocks: int, num_window_blocks: int):
+        """Every rank joins this model's process group, the workers told their pools' sizes; returns rank 0's
+        group. The rendezvous store lives as long as the workers."""
+        self._store = make_store(0, self.world_size, is_master=True)
         for conn in self._conns:
-            conn.send(("connect", store_port, num_blocks, num_window_blocks))
+            conn.send(("connect", self._store.port, num_blocks, num_window_blocks))
+        return new_process_group(device, 0, self.world_size, self._store)
 
     # ---- steps -------------------------------------------------------------------------------
     def broadcast(self, host_step) -> None:
@@ -135,6 +142,16 @@ class TensorParallelWorkers:
     def _raise_if_failed(self) -> None:
         if self.failure:
             raise TensorParallelError(self.failure)
+
+    def explain(self, exc: BaseException, timeout_s: float = 5.0) -> None:
+        """After a collective failed with `exc`: raise TensorParallelError naming the worker that died, if
+        one did. The watchdog polls every 0.1 s, but on a starved machine it may take longer to run, so
+        wait for its word (bounded) rather than a fixed moment."""
+        deadline = time.monotonic() + timeout_s
+        while not self.failure and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.failure:
+            raise TensorParallelError(self.failure) from exc
 
     # ---- health ------------------------------------------------------------------------------
     def _watch(self) -> None:

@@ -10,7 +10,7 @@ tokens), then l - frequency * count - presence for each token of the output. log
 OpenAI's: the value is added to the token's logit, after the penalties. A bad word's last token is
 banned where the output so far ends with the word's other tokens (vLLM's bad_words); with
 allowed_token_ids, every other token is, and with a guide every token it does not allow next
-(guided_decoding.py).
+(guided/decoding.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ applied to those of a request that asks (the others only ever need their last ro
 scores prompt token p + 1, so a chunk that ends inside the prompt scores the first token of the
 next chunk, and the prompt's last position is the one the first output token is sampled from.
 Such a request computes its whole prompt: a prefix taken from the cache would have no hidden states
-to score (block_manager.py skips the lookup for it).
+to score (scheduling/block_manager.py skips the lookup for it).
 """
 
 from __future__ import annotations

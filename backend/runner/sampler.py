@@ -7,45 +7,25 @@ in one int32 [2, batch] tensor (the log-probs' float32 bits reinterpreted), i.e.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from tritonllm.devices.cpu import kernels as cpu_kernels
-from tritonllm.runner.logit_adjustments import LogitAdjustments
+from tritonllm.runner.sampling_batch import SamplingBatch
 
 
-@dataclass
-class SamplingBatch:
-    """Per-row sampling inputs for one step, prepared by the model runner (all optional)."""
-
-    temperatures: torch.Tensor | None = None  # [batch] float32; None: all greedy
-    top_k: torch.Tensor | None = None  # [batch] int64 (0 = off)
-    top_p: torch.Tensor | None = None  # [batch] float32 (1 = off)
-    min_p: torch.Tensor | None = None  # [batch] float32 (0 = off)
-    generators: list | None = None  # per row: torch.Generator or None
-    banned_rows: torch.Tensor | None = None  # with banned_ids: (row, token) pairs to suppress (min_tokens)
-    banned_ids: torch.Tensor | None = None
-    adjustments: LogitAdjustments | None = None  # penalties, logit_bias, bad words, allowed tokens (logit_adjustments.py)
-    # Rows that want their top log-probs (SamplingParams.top_logprobs), and how many each.
-    ranked_rows: list[int] | None = None
-    ranked_counts: list[int] | None = None
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Every row takes the argmax of its logits as they come: the fast greedy heads may run."""
-        return self.temperatures is None and self.banned_rows is None and self.adjustments is None
-
-
-def choose_tokens(logits: torch.Tensor, batch: SamplingBatch, cpu_kernel: bool = False) -> torch.Tensor:
+def choose_tokens(logits: torch.Tensor, batch: SamplingBatch,
+                  greedy_head: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> torch.Tensor:
     """logits [batch, vocab] -> int32 [2, batch]: token ids and the float32 bits of their log-probs.
 
-    `cpu_kernel`: an all-greedy float32 batch goes through our C++ greedy head (cpu_kernels.py).
+    `greedy_head`: a device backend's fused op for an all-greedy batch, in the same packed form (it
+    returns None where it does not apply).
     """
-    if cpu_kernel and batch.plain_greedy and logits.dtype == torch.float32:
-        ids, chosen = cpu_kernels.greedy_head(logits)
-        return torch.stack([ids.to(torch.int32), chosen.view(torch.int32)])
+    if greedy_head is not None and batch.plain_greedy:
+        packed = greedy_head(logits)
+        if packed is not None:
+            return packed
     logits = logits.float()
     _change_logits(logits, batch)
     logprobs_all = None
@@ -116,9 +96,9 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         floor = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     # Inverse CDF: one uniform number per row, and the token whose slice of the running total holds
-    # u x the total. The exponential race (argmax of p / E with one exponential draw per vocabulary
-    # entry) cost ~1 ms per row on CPU in the random draws alone, ~12x this. In float32 a token's
-    # slice is off by at most half an ulp of the running total (<= 3e-8 of the mass).
+    # u x the total. The exponential race (argmax of p / E) would need one random draw per vocabulary
+    # entry, which costs far more than the sums. In float32 a token's slice is off by at most half an
+    # ulp of the running total.
     uniform = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
     if batch.generators is None or not any(batch.generators):
         uniform.uniform_()
@@ -134,8 +114,7 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def _top_k(scaled: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Rows with top_k > 0 keep the tokens at least as likely as their k-th (ties kept).
 
-    torch.topk over the largest k asked for, not a sort of the vocabulary: a full sort of 64 rows of
-    49k took ~110 ms on CPU, topk at k = 256 ~5 ms.
+    torch.topk over the largest k asked for, not a sort of the vocabulary, which costs far more.
     """
     limited = top_k > 0
     k = top_k.clamp(min=1, max=scaled.shape[1])

@@ -30,7 +30,7 @@ class HostGroup:
     token_offset: int
     num_tokens: int
     window_mask: np.ndarray | None = None  # as mask, limited to each query's last `window` positions
-    window_block_tables: np.ndarray | None = None  # the sliding layers' own pool's tables (window_pool.py)
+    window_block_tables: np.ndarray | None = None  # the sliding layers' own pool's tables (scheduling/window_pool.py)
 
 
 @dataclass
@@ -64,10 +64,10 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_g
     """The step's flat inputs, and the sequences that choose a token (in logits-row order; a sequence
     with a speculative draft once per row of it).
 
-    `max_decode_groups` 1 suits the decode kernel, which skips padding instead of gathering it.
+    `max_decode_groups`: the device backend's (1 suits a kernel that skips padding instead of gathering it).
     `window`: the model has sliding-window layers, which attend to each query's last `window`
     positions only; each group then also carries that mask. `window_pool`: their K/V live in a pool
-    of their own (window_pool.py), with the sequences' `window_block_table`s.
+    of their own (scheduling/window_pool.py), with the sequences' `window_block_table`s.
     """
     bs = block_size
     decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
@@ -192,7 +192,7 @@ def _group(items: list[ScheduledSeq], token_offset: int, bs: int, window: int | 
                      None if window_mask is None else window_mask[:, None, :, :], window_tables)
 
 
-def to_device(host: HostStep, device: torch.device, use_cpu_kernels: bool = False) -> DeviceStep:
+def to_device(host: HostStep, device: torch.device) -> DeviceStep:
     def to(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
 
@@ -209,7 +209,6 @@ def to_device(host: HostStep, device: torch.device, use_cpu_kernels: bool = Fals
             slot_mapping=window_slot_mapping if sliding and window_slot_mapping is not None else slot_mapping,
             decode=[group(g, sliding) for g in host.decode],
             prefill=group(host.prefill, sliding) if host.prefill is not None else None,
-            cpu_kernels=use_cpu_kernels,
         )
 
     slot_mapping = to(host.slot_mapping)

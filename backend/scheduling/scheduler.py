@@ -16,6 +16,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from tritonllm.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tritonllm.scheduling.block_manager import BlockManager, KVCopy
 from tritonllm.scheduling.ngram_draft import DraftAcceptance, draft_for
 from tritonllm.scheduling.window_pool import WindowPoolBlockManager
@@ -50,35 +51,26 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager | WindowPoolBlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs", kv_window: int = 0,
-                 kv_window_ratio: float = 0.0, kv_sink_tokens: int = 0, reserve_known_growth: bool = False,
-                 speculative_tokens: int = 0, speculative_max_batch: int = 0, speculative_min_acceptance: float = 1.0):
+    def __init__(self, block_manager: BlockManager | WindowPoolBlockManager, config: SchedulerConfig,
+                 max_model_len: int, cache: CacheConfig | None = None, speculative: SpeculativeConfig | None = None):
+        """`cache`: for its recent-window pruning settings; `speculative`: drafts as configured where the
+        runner computes drafted rows exactly (None: no drafts)."""
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.config = config
         self.max_model_len = max_model_len
-        self.policy = policy
-        self.kv_window = kv_window
-        self.kv_window_ratio = kv_window_ratio
-        self.kv_sink_tokens = kv_sink_tokens
+        self.cache = cache or CacheConfig()
+        self.speculative = speculative or SpeculativeConfig(num_tokens=0)
         self.waiting: list[tuple[tuple, Sequence]] = []  # sorted by policy key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
-        self.reserve_known_growth = reserve_known_growth
-        self.speculative_tokens = speculative_tokens  # most draft tokens a decode feeds per step (0: none)
-        self.speculative_max_batch = speculative_max_batch  # ... in steps of at most this many sequences
-        # ... and in larger steps, the j-th draft token of a sequence whose drafts are right at a rate with
-        # rate^j at least this (_trusted_draft_length; 1: never)
-        self.speculative_min_acceptance = speculative_min_acceptance
 
     # ---- queues ----------------------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple:
         # Preempted sequences go back in front: they already hold the caller's attention.
         first = 0 if seq.num_preemptions else 1
-        if self.policy == "priority":
+        if self.config.policy == "priority":
             return (first, seq.params.priority, seq.arrival_index)
-        if self.policy == "longest_output_first":
+        if self.config.policy == "longest_output_first":
             limit = seq.params.max_tokens
             return (first, -(limit if limit is not None else self.max_model_len), seq.arrival_index)
         return (first, seq.arrival_index)
@@ -121,7 +113,7 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         bm = self.block_manager
-        budget = self.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         num_preempted = 0
 
@@ -153,7 +145,7 @@ class Scheduler:
         now = time.time()
         growth = self._known_growth(scheduled) if self.waiting and not num_preempted else []
         i = 0
-        while i < len(self.waiting) and budget > 0 and not num_preempted and len(self.running) < self.max_num_seqs:
+        while i < len(self.waiting) and budget > 0 and not num_preempted and len(self.running) < self.config.max_num_seqs:
             _, seq = self.waiting[i]
             if seq.waits_for_prefix:
                 i += 1
@@ -186,9 +178,9 @@ class Scheduler:
         # for a sequence whose drafts keep being right, in the budget and free blocks left over: never at
         # the cost of a prompt chunk or of another sequence's blocks. Not under recent-window pruning: a
         # draft row would see the blocks that decoding up to it would have dropped.
-        few = len(scheduled) <= self.speculative_max_batch
-        if (self.speculative_tokens and not num_preempted and (few or self.speculative_min_acceptance < 1)
-                and not (self.kv_window or self.kv_window_ratio)):
+        few = len(scheduled) <= self.speculative.max_batch
+        if (self.speculative.num_tokens and not num_preempted and (few or self.speculative.min_acceptance < 1)
+                and not (self.cache.kv_window or self.cache.kv_window_ratio)):
             for item in scheduled:
                 seq = item.seq
                 if item.num_new_tokens != 1 or seq.num_uncomputed_tokens != 1:
@@ -197,7 +189,7 @@ class Scheduler:
                     seq.draft_acceptance = DraftAcceptance()
                 record = seq.draft_acceptance
                 record.settle(seq.token_ids)
-                length = self.speculative_tokens if few else self._trusted_draft_length(record.rate)
+                length = self.speculative.num_tokens if few else self._trusted_draft_length(record.rate)
                 drafting = budget > 0 and length > 0
                 draft = draft_for(seq, min(length, budget) if drafting else 1, self.max_model_len)
                 if drafting and draft and bm.can_append(seq, seq.num_tokens + len(draft)):
@@ -207,22 +199,22 @@ class Scheduler:
                     budget -= len(draft)
                 record.expect(seq.num_tokens, draft)  # a draft not fed is still a guess to score
 
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, num_preempted)
+        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, num_preempted)
 
     def _trusted_draft_length(self, rate: float) -> int:
         """Draft tokens for a sequence whose draft positions are right at `rate`, in a step of more than
         speculative_max_batch sequences: the j-th is taken while rate^j, the chance that it is accepted
         (the ones before it too), stays at or above speculative_min_acceptance."""
-        bar = self.speculative_min_acceptance
+        bar = self.speculative.min_acceptance
         length, chance = 0, rate
-        while bar < 1 and length < self.speculative_tokens and chance >= bar:
+        while bar < 1 and length < self.speculative.num_tokens and chance >= bar:
             length += 1
             chance *= rate
         return length
 
     def _known_growth(self, scheduled: list[ScheduledSeq]) -> list[tuple[int, int]]:
         """(tokens held, tokens certain to be held) of each running sequence (see `_known_growth_of`)."""
-        if not self.reserve_known_growth:
+        if not self.config.reserve_known_growth:
             return []
         held = {id(item.seq): item.seq.num_computed_tokens + item.num_new_tokens for item in scheduled}
         return [g for seq in self.running for g in self._known_growth_of(seq, held.get(id(seq), seq.num_computed_tokens))]
@@ -233,7 +225,7 @@ class Scheduler:
         to min_tokens. Longer outputs are a guess, and holding blocks back for a guess costs concurrency
         (docs/PERFORMANCE.md, "Admission"). Under recent-window pruning a sequence holds a window's
         blocks whatever its length: nothing is held back."""
-        if not self.reserve_known_growth or self.kv_window or self.kv_window_ratio:
+        if not self.config.reserve_known_growth or self.cache.kv_window or self.cache.kv_window_ratio:
             return []
         outputs = seq.params.min_tokens
         if seq.params.ignore_eos:
@@ -258,12 +250,12 @@ class Scheduler:
         model would still read.
         """
         self.block_manager.release_behind_window(seq)
-        window = self.kv_window or int(self.kv_window_ratio * seq.num_prompt_tokens)
+        window = self.cache.kv_window or int(self.cache.kv_window_ratio * seq.num_prompt_tokens)
         if not window:
             return
         bs = self.block_manager.block_size
         keep_from = seq.num_computed_tokens - window  # first position still attended
-        first_block = -(-self.kv_sink_tokens // bs)  # sink blocks are never pruned
+        first_block = -(-self.cache.kv_sink_tokens // bs)  # sink blocks are never pruned
         self.block_manager.release_blocks(seq, first_block, max(keep_from, 0) // bs)
 
     # ---- after the forward -----------------------------------------------------------------

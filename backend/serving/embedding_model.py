@@ -30,7 +30,8 @@ try:
 except ImportError:  # outside tritonserver (docs, tests of the parsing): the module only exists in the stub
     pb_utils = None
 
-from tritonllm.engine.config import ConfigError, config_from_triton
+from tritonllm.engine.parameters import ConfigError
+from tritonllm.serving.instance_config import config_from_triton
 from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
 from tritonllm.embeddings.engine import EmbeddingEngine
 from tritonllm.embeddings.request import EmbeddingOutput

@@ -24,7 +24,9 @@ try:
 except ImportError:  # outside tritonserver (docs, linters): the module only exists in the stub
     pb_utils = None
 
-from tritonllm.engine.config import ConfigError, EngineConfig, config_from_triton
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.parameters import ConfigError
+from tritonllm.serving.instance_config import config_from_triton
 from tritonllm.engine.engine import Engine, QueueFullError
 from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
 from tritonllm.engine.outputs import RequestOutput
@@ -111,7 +113,7 @@ class TritonPythonModel:
             config = engine_config_from_triton(args, self.model_config)
         except ConfigError as exc:
             raise pb_utils.TritonModelException(f"invalid config.pbtxt parameter: {exc}") from None
-        logging.getLogger("tritonllm").setLevel(config.log_level.upper())
+        logging.getLogger("tritonllm").setLevel(config.serving.log_level.upper())
         self.model_name = args.get("model_name", "model")
         started = time.perf_counter()
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # (request, engine output), or _STEP_DONE
@@ -120,7 +122,7 @@ class TritonPythonModel:
         self.engine = self.loop.engine
         self.instance_name = instance_label(args, self.model_name)
         self.metrics = (EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"), self.instance_name)
-                        if config.enable_metrics else None)
+                        if config.serving.enable_metrics else None)
         if self.metrics is not None:
             # Right from the start: llm_engine_alive reads 0 until the first refresh otherwise.
             self.metrics.refresh(self.loop.stats, self.loop.alive)
@@ -155,7 +157,7 @@ class TritonPythonModel:
             if tensor is not None:
                 inputs[spec.name] = tensor.as_numpy()
         parsed = parse_request(inputs, request.parameters())
-        assembler = ResponseAssembler(parsed, self.engine.tokenizer.decode, self.engine.config.stream_interval)
+        assembler = ResponseAssembler(parsed, self.engine.tokenizer.decode, self.engine.config.scheduler.stream_interval)
         active = _Active(uuid.uuid4().hex, sender, assembler)
         # Registered before submitting: the first output may arrive before submit() returns.
         self._active[active.request_id] = active

@@ -139,7 +139,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
     else:
         raise InvalidRequestError("the request has no text_input (and no input_ids)")
     # Log-probs are computed for the requests that return them: the others' greedy ids can come
-    # from the cheaper screened head (layers/greedy_screen.py).
+    # from the cheaper screened head (devices/cpu/greedy_screen.py).
     params.logprobs = flags.get("return_logprobs", False) or flags.get("return_cumulative_logprob", False)
     if not flags.get("return_logprobs", False):
         params.top_logprobs = None  # returned with return_logprobs only: not worth computing otherwise

@@ -9,7 +9,7 @@ sampling parameter `prompt_logprobs` asks);
 `output_ids` and `output_log_probs` hold the completions' tokens one after another in index
 order (`num_output_tokens` says how many are each one's; with n = 1 they are simply the tokens).
 
-Pure numpy, no Triton: the glue (triton_model.py) wraps each array in a pb_utils.Tensor.
+Pure numpy, no Triton: the glue (serving/generate_model.py) wraps each array in a pb_utils.Tensor.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """A Llama-family model's decoder layers as one C++ call (csrc/decoder_stack.cpp), where it applies.
 
-At a few rows a layer's nine ops take microseconds each, and calling them from Python costs ~3 us
-per op (argument parsing, dispatch, output allocation) and ~0.8 us per module call, with the OpenMP
-worker waiting between them: one C++ call takes a batch-1 decode step of the default model from
-9.2 to 7.3 ms (batch 4: 13.7 -> 11.9 ms, batch 64: ~3 %). The C++ call runs the same ops, on the
-same tensors and in the same order (`LlamaDecoderLayer.forward` with the CPU kernels), so its
-results are bit for bit those of the modules; it needs:
-- float32 on CPU with our kernels (`meta.cpu_kernels`) and every linear on `cpu_gemm=avx512`;
+At a few rows a layer's ops take microseconds each, and calling them from Python costs more than
+that (argument parsing, dispatch, output allocation, module calls), with the OpenMP workers waiting
+between them. The C++ call runs the same ops, on the same tensors and in the same order as
+`LlamaDecoderLayer.forward` with the fused layers (fused_layers.py), so its results are bit for bit
+those of the modules. It needs:
+- float32 on CPU with our kernels, and every linear packed for `cpu_gemm=avx512`;
 - one rank (tensor parallelism all-reduces between the ops);
-- attention through our paged kernel (`layers.attention.kernel_calls`);
 - no sliding-window masks in the step (a window shorter than max_model_len), and one rotary
   embedding for every layer (not the sliding layers' own of Gemma 3 and OLMo 3);
 - SiLU as the MLP's activation (not Gemma's GELU), no soft-capped scores (Gemma 2), and a dense MLP
@@ -20,14 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from tritonllm.devices.cpu import kernels as cpu_kernels
-from tritonllm.layers.attention import AttentionMetadata, kernel_calls
-from tritonllm.layers.linear import PackedWeight
+from tritonllm.devices.cpu.fused_layers import kernel_calls
+from tritonllm.devices.cpu.packed_linear import PackedLinear, PackedWeight
+from tritonllm.layers.attention import AttentionMetadata
 from tritonllm.models.mlp import GatedMLP
 
 
 class DecoderStack:
-    """Built from a LlamaForCausalLM whose linears are packed; `None` from `build` if it cannot apply."""
+    """Built from a LlamaForCausalLM whose linears are packed and layers fused; `None` from `build` if
+    it cannot apply."""
 
     def __init__(self, layers, eps: float, num_heads: int, num_kv_heads: int, scale: float):
         self.norms = [w for layer in layers if layer.input_layernorm is not None
@@ -42,11 +41,8 @@ class DecoderStack:
         packed: list[PackedWeight] = [lin.packed for lin in linears]
         self.biases = [lin.bias for lin in linears]
         self.out_features = [p.out_features for p in packed]
-        # What PackedWeight would read: the float32 panels, at up to blocks_max_rows rows the blocks, or
-        # from amx_min_rows rows the blocks on AMX tiles.
+        # What PackedWeight would read: the float32 panels, or at up to blocks_max_rows rows the blocks.
         self.blocks_max_rows = min(p.blocks_max_rows for p in packed)
-        amx_rows = {p.amx_min_rows for p in packed if p.blocks is not None}
-        self.amx_min_rows = amx_rows.pop() if len(amx_rows) == 1 else None
         self.panels = ([p.data for p in packed], [None] * len(packed))
         self.blocks = ([p.blocks[0] if p.blocks is not None else p.data for p in packed],
                        [p.blocks[1] if p.blocks is not None else None for p in packed])
@@ -58,19 +54,19 @@ class DecoderStack:
     @classmethod
     def build(cls, model) -> "DecoderStack | None":
         layers = list(model.layers)
-        if model.tp.world_size != 1 or not layers or not cpu_kernels.load():
+        if model.tp.world_size != 1 or not layers:
             return None
         if not all(isinstance(layer.mlp, GatedMLP) for layer in layers):  # a mixture of experts: the modules run
             return None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if lin.packed is None or lin.packed.kernel != "avx512":
+                if not isinstance(lin, PackedLinear) or lin.packed.kernel != "avx512":
                     return None
         first = layers[0]
         if first.mlp.activation != "silu":  # nor an activation other than SiLU (Gemma's GELU)
             return None
-        if first.self_attn.softcap is not None:  # nor Gemma 2's capped scores
+        if first.self_attn.attn.softcap is not None:  # nor Gemma 2's capped scores
             return None
         if any(layer.self_attn.local_rope for layer in layers):  # one rotary for every layer (not Gemma 3's, OLMo 3's)
             return None
@@ -80,12 +76,20 @@ class DecoderStack:
         eps = {norm.eps for norm in norms if norm is not None}
         if len(eps) != 1:  # the C++ layer takes one eps for all its norms
             return None
-        return cls(layers, eps.pop(), attn.num_heads, attn.num_kv_heads, attn.scale)
+        return cls(layers, eps.pop(), attn.num_heads, attn.num_kv_heads, attn.attn.scale)
+
+    def wrap(self, run_layers):
+        """`run_layers` (the model's layer loop) that takes the stack for the steps it applies to."""
+        def run(hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+            attention = self.applies(hidden, meta)
+            if attention is None:
+                return run_layers(hidden, positions, kv_caches, meta)
+            return self(hidden, kv_caches, meta, attention)
+        run.stack = self
+        return run
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> list | None:
         """The step's attention kernel calls if it can take the stack, else None."""
-        if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
-            return None
         if meta.sliding is not None:  # the C++ layers take one set of masks for all of them
             return None
         return kernel_calls(meta, hidden.shape[0])
@@ -96,11 +100,10 @@ class DecoderStack:
         if self._kv_caches is not kv_caches:
             self._kv_caches = kv_caches
             self._k_caches, self._v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
-        rows = hidden.shape[0]
-        amx = self.amx_min_rows is not None and rows >= self.amx_min_rows
-        weights, scales = self.blocks if amx or rows <= self.blocks_max_rows else self.panels
+        weights, scales = self.blocks if hidden.shape[0] <= self.blocks_max_rows else self.panels
         starts, ends, tables, masks = zip(*attention)
+        cos, sin = meta.rope
         return torch.ops.tritonllm.decoder_stack(
-            hidden, self.norms, weights, scales, self.biases, self.out_features, amx, self._k_caches, self._v_caches,
-            meta.rope_cos, meta.rope_sin, meta.slot_mapping, list(starts), list(ends), list(tables), list(masks),
+            hidden, self.norms, weights, scales, self.biases, self.out_features, self._k_caches, self._v_caches,
+            cos, sin, meta.slot_mapping, list(starts), list(ends), list(tables), list(masks),
             self.qk_norms, self.whole_projection_norms, self.output_norms, self.scale, self.eps, self.num_heads, self.num_kv_heads)

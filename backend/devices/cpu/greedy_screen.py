@@ -1,18 +1,18 @@
 """The float32 greedy head's token ids at about the cost of a bfloat16 LM head.
 
 A greedy row that wants no log-prob needs only the argmax of its float32 logits. The screen computes
-all logits with the bfloat16 GEMM (csrc/packed_gemm.cpp, ~2x the float32 rate), bounds each one's
+all logits with the bfloat16 GEMM (csrc/packed_gemm.cpp, about twice the float32 rate), bounds each one's
 error by ||x|| * col_bounds[j], and recomputes in float32 only the tokens that bound cannot rule out
 (csrc/screened_greedy_head.cpp) with the float32 GEMM's own arithmetic: the ids are those of the
 float32 head on `cpu_gemm=avx512`, ties included (oneDNN and MKL order their sums otherwise, and can
 differ from it, and from each other, where two logits are within float32 rounding). In an all-greedy
 step the rows that want their log-prob take the float32 head; a step with a sampled row or banned
-tokens takes it for every row (model_runner.py).
+tokens takes it for every row (runner/head.py).
 
 With `cpu_gemm=avx512_bf16` (every GEMM in bfloat16) the screen makes the head's choice the float32
 one on the same hidden states, which keeps more outputs equal to the float32 model's.
 
-Needs AVX-512 with BF16 (`cpu_kernels.packed_gemm_bf16_supported()`); it costs a bfloat16 copy of the
+Needs AVX-512 with BF16 (`kernels.packed_gemm_bf16_supported()`); it costs a bfloat16 copy of the
 LM head (vocab x hidden x 2 bytes) and keeps a plain float32 one to recompute rows from (for a tied
 head that is the embedding table itself).
 """

@@ -1,21 +1,19 @@
-"""Our C++ CPU kernels (backend/csrc/), compiled once per checkout on first use and cached.
+"""Our C++ CPU kernels (csrc/), compiled once per checkout on first use and cached.
 
-Paged decode attention that reads K/V in place from the block pool
-(csrc/paged_decode_attention.cpp), the decoder layer's fused elementwise ops: residual add +
-RMSNorm, rotary embedding + KV write, SiLU * up (csrc/fused_decoder_ops.cpp), and the greedy head's
-argmax + log-prob in one pass (csrc/greedy_head.cpp); on AVX-512 CPUs the GEMM for the linears,
-weights packed once, in float32 or (opt-in) bfloat16 (csrc/packed_gemm.cpp), and on float32 weights
-that are exactly quantized blocks read as those blocks (csrc/exact_block_gemm.cpp), on AMX tiles where
-the CPU has AMX-BF16 (csrc/amx_block_gemm.cpp); and the float32
-greedy head's argmax found through a bfloat16 LM head (csrc/screened_greedy_head.cpp); and a
-Llama-family model's decoder layers in one call over those ops (csrc/decoder_stack.cpp). torch's JIT
-extension builder compiles it with the machine's g++ for the machine's own CPU (-march=native) into
-torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one folder per
-checkout, one process at a time (`_build_lock`); later processes load the cached build in well under a
-second.
-`scripts/install.sh` builds it ahead of time so that no server start pays for the compiler. Where
-it cannot be built (no compiler, another OS), `load()` returns False with the reason logged and the
-engine keeps the pure-torch path, which gives the same results.
+The ops (registered as `torch.ops.tritonllm.*`, wrapped below): paged decode attention reading K/V
+in place from the block pool (paged_decode_attention.cpp); the decoder layer's fused elementwise ops,
+residual add + RMSNorm, rotary + KV write, SiLU * up (fused_decoder_ops.cpp); the greedy head's
+argmax + log-prob in one pass (greedy_head.cpp); on AVX-512 CPUs the GEMM on weights packed once, in
+float32 or bfloat16 (packed_gemm.cpp), and on weights that are exactly quantized blocks
+(exact_block_gemm.cpp); the float32 greedy head's argmax through a bfloat16 LM head
+(screened_greedy_head.cpp); and a Llama-family model's decoder layers in one call (decoder_stack.cpp).
+
+torch's JIT extension builder compiles them with the machine's g++ for its own CPU (-march=native)
+into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one folder
+per checkout, one process at a time (`_build_lock`); later processes load the cached build.
+`scripts/install.sh` builds them ahead of time so that no server start pays for the compiler. Where
+they cannot be built (no compiler, another OS), `load()` returns False with the reason logged and
+the engine keeps the torch reference path.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ logger = logging.getLogger(__name__)
 _NAME = "tritonllm_cpu_kernels"
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp",
-             "screened_greedy_head.cpp", "exact_block_gemm.cpp", "amx_block_gemm.cpp", "decoder_stack.cpp")]
+             "screened_greedy_head.cpp", "exact_block_gemm.cpp", "decoder_stack.cpp")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str
@@ -57,7 +55,7 @@ def load() -> bool:
                 build_dir = _build_directory()
                 with _build_lock(build_dir):
                     # The objects use the OpenMP runtime torch already loaded (same soname, libgomp.so.1):
-                    # one thread pool per process, as the rest of the engine needs (engine_loop.py).
+                    # one thread pool per process, as the rest of the engine needs (engine/engine_loop.py).
                     load_extension(name=_NAME, sources=[str(s) for s in _SOURCES], build_directory=str(build_dir),
                                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", _headers_flag()],
                                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -80,7 +78,7 @@ def _build_directory() -> Path:
     """Where torch's builder keeps this extension (TORCH_EXTENSIONS_DIR or its default root): one
     folder per checkout. torch's builder rebuilds whenever the source paths differ from the last
     build's, so two checkouts (or installs) sharing one folder would recompile each other's build at
-    every server start (~30 s of compiler before the model loads)."""
+    every server start."""
     folder = f"{_NAME}-{hashlib.sha256(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:12]}"
     try:
         from torch.utils.cpp_extension import _get_build_directory
@@ -129,11 +127,6 @@ def _put_ninja_on_path() -> None:
     path = os.environ.get("PATH", "")
     if bin_dir and bin_dir not in path.split(os.pathsep):
         os.environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
-
-
-def use_for(enabled: bool, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decodes on `device` in `dtype` go through the kernel (config switch on, CPU, float32, built)."""
-    return enabled and device.type == "cpu" and dtype == torch.float32 and load()
 
 
 def error() -> str | None:
@@ -194,18 +187,6 @@ def block_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias:
                out_features: int) -> torch.Tensor:
     """`packed_gemm` on the quantized blocks of the same weight: the same float32 result, bit for bit."""
     return torch.ops.tritonllm.block_gemm(x, codes, scales, bias, out_features)
-
-
-def amx_block_gemm_supported() -> bool:
-    """Whether the AMX GEMM runs here: the kernels built for a CPU with AMX-BF16, and Linux gave this
-    process the tile registers."""
-    return load() and bool(torch.ops.tritonllm.amx_block_gemm_supported())
-
-
-def amx_block_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                   out_features: int) -> torch.Tensor:
-    """`block_gemm`'s weights on AMX tiles: a float32 GEMM's accuracy, not its bits (csrc/amx_block_gemm.cpp)."""
-    return torch.ops.tritonllm.amx_block_gemm(x, codes, scales, bias, out_features)
 
 
 def packed_gemm_bf16_supported() -> bool:

@@ -1,6 +1,5 @@
-// One call of a GEMM on pack_block_weight's exact blocks (block_gemm, amx_block_gemm): its inputs
-// checked, x as rows, y allocated, and the result shaped like x; the two kernels differ only in how
-// they multiply.
+// One call of a GEMM on pack_block_weight's exact blocks (block_gemm): its inputs checked, x as rows,
+// y allocated, and the result shaped like x.
 #pragma once
 
 #include <ATen/ATen.h>

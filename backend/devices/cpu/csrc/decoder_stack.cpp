@@ -1,16 +1,16 @@
 // All decoder layers of a Llama-family model in one call, for a step on CPU in float32 whose attention
-// runs through paged_decode_attention (layers/attention.py `kernel_calls`).
+// runs through paged_decode_attention (devices/cpu/fused_layers.py `kernel_calls`).
 //
 // Why: at a few rows a layer's nine ops take microseconds each, and calling each from Python costs
-// ~3 us (argument parsing, dispatch, output allocation) plus the modules around them, while the
-// OpenMP worker waits between the parallel regions. Here each op is called through torch's
-// dispatcher from C++ instead: a batch-1 decode step 9.2 -> 7.3 ms, batch 4 13.7 -> 11.9 ms.
+// more than that (argument parsing, dispatch, output allocation) plus the modules around them, while
+// the OpenMP worker waits between the parallel regions. Here each op is called through torch's
+// dispatcher from C++ instead.
 //
 // Exactness: the same ops, on the same tensors, in the same order as models/llama.py's
-// LlamaDecoderLayer with meta.cpu_kernels (the first layer's norm is aten's rms_norm, the others are
-// add_rms_norm_), so the results are that path's bit for bit. Each linear is given as what
-// layers/linear.py's PackedWeight would read at this row count: a packed_gemm panel weight, or the
-// exact blocks (codes with their scales) for block_gemm, or (amx_blocks) for amx_block_gemm.
+// LlamaDecoderLayer with the CPU backend's fused modules (the first layer's norm is aten's rms_norm,
+// the others are add_rms_norm_), so the results are that path's bit for bit. Each linear is given as
+// what devices/cpu/packed_linear.py's PackedWeight would read at this row count: a packed_gemm panel
+// weight, or the exact blocks (codes with their scales) for block_gemm.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -40,7 +40,6 @@ using SiluMul = at::Tensor(const at::Tensor&);
 struct Ops {
   c10::TypedOperatorHandle<Gemm> packed_gemm = op<Gemm>("tritonllm::packed_gemm");
   c10::TypedOperatorHandle<BlockGemm> block_gemm = op<BlockGemm>("tritonllm::block_gemm");
-  c10::TypedOperatorHandle<BlockGemm> amx_block_gemm = op<BlockGemm>("tritonllm::amx_block_gemm");
   c10::TypedOperatorHandle<AddNorm> add_rms_norm = op<AddNorm>("tritonllm::add_rms_norm_");
   c10::TypedOperatorHandle<RopeWrite> rope_write_kv = op<RopeWrite>("tritonllm::rope_write_kv");
   c10::TypedOperatorHandle<Attention> attention = op<Attention>("tritonllm::paged_decode_attention");
@@ -56,7 +55,7 @@ const Ops& ops() {
 // Per layer l: norms[2l], norms[2l + 1] (input and post-attention RMSNorm weights; empty for OLMo,
 // which norms neither: the attention and the MLP then read the residual stream itself); weights[4l + i]
 // with scales[4l + i] (i: QKV, O, gate/up, down): a packed_gemm weight where the scale is None, else
-// block_gemm (with amx_blocks, amx_block_gemm) codes; biases likewise (None: no bias). qk_norms: empty, or per layer the query and key
+// block_gemm codes; biases likewise (None: no bias). qk_norms: empty, or per layer the query and key
 // RMSNorm weights, over each head (Qwen3) or, with whole_projection_norms, over all the query and all the
 // key heads at once (OLMo), written back into the fused projection before the rotary. output_norms:
 // empty, or per layer the norms of the attention's and the MLP's outputs before their residual adds
@@ -66,7 +65,7 @@ const Ops& ops() {
 at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::TensorList weights,
                          const c10::List<c10::optional<at::Tensor>>& scales,
                          const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
-                         bool amx_blocks, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, at::IntArrayRef call_starts, at::IntArrayRef call_ends,
                          at::TensorList call_tables, at::TensorList call_masks, at::TensorList qk_norms,
                          bool whole_projection_norms, at::TensorList output_norms, double scale, double eps,
@@ -93,7 +92,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
   auto linear = [&](const at::Tensor& x, int64_t i) {
     const c10::optional<at::Tensor> s = scales.get(i), bias = biases.get(i);
     if (s.has_value() && s->defined())
-      return (amx_blocks ? o.amx_block_gemm : o.block_gemm).call(x, weights[i], *s, bias, out_features[i]);
+      return o.block_gemm.call(x, weights[i], *s, bias, out_features[i]);
     return o.packed_gemm.call(x, weights[i], bias, out_features[i]);
   };
   // As paged_attention: one call covering every row returns its result, else each call's rows are
@@ -149,7 +148,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
 
 TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
   m.def("decoder_stack(Tensor(c!) hidden, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
-        "int[] out_features, bool amx_blocks, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
+        "int[] out_features, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
         "Tensor slot_mapping, int[] call_starts, int[] call_ends, Tensor[] call_tables, Tensor[] call_masks, "
         "Tensor[] qk_norms, bool whole_projection_norms, Tensor[] output_norms, float scale, float eps, int num_heads, int num_kv_heads) -> Tensor(c!)");
 }

@@ -4,10 +4,10 @@
 // Why: a model converted from a GGUF file holds float32 weights that are, bit for bit, what its
 // quantized blocks dequantise to: per block of 32 values along K, fl(fl(d * q) + m) with q in 0..15
 // (Q4_1) or fl(d * q) with q in -128..127 (Q8_0); a bfloat16 checkpoint loaded as float32 holds bfloat16
-// values. Kept as those blocks, a 32-column panel at K = 576 is 13.8 KB (Q4_1), 20.7 KB (Q8_0) or
-// 36.9 KB (bfloat16) instead of 73.7 KB. A step of a few rows is bound by streaming
-// the weights, so it runs up to 2.8x faster from the blocks (layers/exact_blocks.py finds them at
-// load and checks every value; layers/linear.py picks them by row count).
+// values. Kept as those blocks, a panel takes a fifth (Q4_1), under a third (Q8_0) or half (bfloat16)
+// of its float32 bytes. A step of a few rows is bound by streaming the weights, so it runs faster from
+// the blocks (devices/cpu/exact_blocks.py finds them at load and checks every value;
+// devices/cpu/packed_linear.py picks them by row count).
 //
 // Exactness: the microkernel decodes a k step's 32 weights to the float32 values the weight holds,
 // then does what packed_gemm's microkernel does: start from zero (or the bias) and add one FMA per
@@ -48,9 +48,8 @@ constexpr int64_t kPanel = 32;           // output columns per panel (two zmm)
 constexpr int64_t kBlock = 32;           // k values sharing one scale (and one min)
 constexpr int kMaxRows = 12;             // rows per microkernel call
 constexpr int64_t kClaimsPerThread = 8;  // panel runs each thread claims (claimed_chunks.h)
-// The first row block of a panel pulls its codes (and scales) this far ahead into L1: with the codes
-// from DRAM, a 4-bit step's layer GEMMs (AMD EPYC Zen 5 VM, 2 threads) took 4.0 -> 3.1 ms at 1 row, 5.1 -> 3.6
-// at 4, 7.3 -> 5.6 at 8, 12.3 -> 11.0 at 20; 512 / 1024 / 4096 bytes did no better (docs/PERFORMANCE.md).
+// The first row block of a panel pulls its codes (and scales) this far ahead into L1, so codes coming
+// from DRAM arrive before the FMAs need them (the distances tried are in docs/HISTORY.md).
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Whether fl(d * q) == d * q for every 4-bit code q [N, K] and its block's d [N, K / 32].
@@ -256,17 +255,15 @@ constexpr Microkernel kMicrokernels[kMaxRows + 1] = {
     &microkernel<F, 11>, &microkernel<F, 12>};
 
 
-// One row takes two panels per microkernel call (see microkernel): a step's 120 layer GEMMs at one row
-// 2.27 -> 2.0 ms (AMD EPYC Zen 5 VM, 2 threads; four panels did no better, and two rows over two panels,
-// or three, were slower than one panel at a time).
+// One row takes two panels per microkernel call (see microkernel): two independent FMA chains per
+// column vector instead of one hide the FMA latency that a single row cannot (docs/HISTORY.md).
 constexpr int64_t kOneRowPanels = 2;
 
 // The threads claim runs of panels. A panel's first block of up to kMaxRows rows decodes it in
 // registers and, when more rows follow, also stores the float32 weights it decoded in a per-thread
 // buffer ([K, 32]: 74 KB at K = 576, in L2), which the later row blocks read as packed_gemm reads its
 // panels: each panel is decoded once per call, not once per row block. With the rows split evenly
-// (row_blocks.h), a step's 120 layer GEMMs at 64 rows took 30.2 -> 27.7 ms from DRAM (AMD EPYC Zen 5
-// VM, 2 threads; the float32 panels 30.3 ms), one 4-bit [576, 3072] weight in cache 448 -> 509 GFLOPS.
+// (row_blocks.h), many rows cost no more than from the float32 panels.
 template <typename F>
 void run_panels(const float* xp, int64_t k, const uint8_t* codes, const float* scales, int64_t panels, int64_t m,
                 int64_t n, const float* bias, float* yp) {

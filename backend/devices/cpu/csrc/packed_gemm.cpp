@@ -1,12 +1,10 @@
 // Our float32 GEMM for the decoder's linears on AVX-512 CPUs: y[M, N] = x[M, K] @ W[N, K]^T + bias.
 //
 // Why not oneDNN: at the row counts a continuous batcher runs (1-64 rows per step) a step's GEMMs
-// stream every weight from memory once, and oneDNN pays for that stream on top of the arithmetic
-// (its small-M rate on cold weights is ~60 % of its warm rate here). This kernel keeps the weight
-// in one long sequential stream that the hardware prefetcher (and a short software prefetch on the
-// first pass) keeps ahead of the FMAs, so the stream overlaps the arithmetic: measured 1.6x oneDNN
-// at 1-8 rows, 1.3x at 16, 1.2x at 32-48, 1.05-1.1x at 64, equal from 128 rows on (AMD EPYC,
-// AVX-512, 2 threads, the 30 layers' distinct weights; docs/PERFORMANCE.md).
+// stream every weight from memory once, and oneDNN pays for that stream on top of the arithmetic.
+// This kernel keeps the weight in one long sequential stream that the hardware prefetcher (and a
+// short software prefetch on the first pass) keeps ahead of the FMAs, so the stream overlaps the
+// arithmetic; the gain is largest at few rows and gone by prefill sizes (docs/PERFORMANCE.md).
 //
 // Layout: the weight is packed once into panels of NR = 32 output columns, each panel [K, 32]
 // contiguous (the last one zero-padded). The microkernel holds an MR x 32 block of y in 2 * MR zmm
@@ -20,13 +18,11 @@
 // bfloat16 weights (`cpu_gemm=avx512_bf16`, opt-in because it changes results): the same panels
 // with the weight rounded to bfloat16 and k taken in pairs, [ceil(K / 2), 32, 2], so one zmm holds
 // a k pair of 16 columns; x is rounded to bfloat16 per call, and `vdpbf16ps` adds both products of
-// a pair into float32 accumulators. Half the weight bytes and twice the products per instruction:
-// 1.9x the float32 kernel over a step's GEMMs at 1-64 rows (1.6-2.6x per shape; AMD EPYC with
-// avx512_bf16). Everything else in the model stays float32; only the GEMM inputs are rounded
-// (relative error ~2.5e-3 per GEMM).
+// a pair into float32 accumulators: half the weight bytes and twice the products per instruction.
+// Everything else in the model stays float32; only the GEMM inputs are rounded.
 //
 // Without AVX-512 at build time the ops exist but `packed_gemm_supported()` is false and the
-// engine keeps oneDNN (layers/linear.py); likewise `packed_gemm_bf16_supported()` without
+// engine keeps oneDNN (devices/cpu/packed_linear.py); likewise `packed_gemm_bf16_supported()` without
 // AVX512-BF16, and the engine keeps the float32 kernel.
 
 #include <ATen/ATen.h>
@@ -50,10 +46,8 @@ namespace {
 constexpr int64_t kPanel = 32;                 // NR: output columns per panel (two zmm)
 constexpr int kMaxRows = 12;                   // MR: rows per microkernel call
 constexpr int64_t kRowChunkBytes = 384 << 10;  // x rows per chunk: this many bytes of x (L2-resident)
-// Software prefetch distance in panel rows (4 KiB). A step's 120 layer GEMMs from DRAM (AMD EPYC Zen 5
-// VM, 2 threads) against 8 rows: 16 rows 13.3 -> 11.8 ms, 32 rows 19.9 -> 18.4, 64 rows 34.4 -> 32.4, 128
-// rows 63.2 -> 60.6; 48 or 64 rows no better. (Pulling the next panel into L2 during the later row blocks
-// of this one, spread over their k steps, was no faster again.)
+// Software prefetch distance in panel rows (4 KiB): far enough ahead to cover DRAM latency on the first
+// row block's pass, near enough to stay in L1 (the distances tried are in docs/HISTORY.md).
 constexpr int64_t kPrefetchRows = 32;
 constexpr int64_t kClaimsPerThread = 8;        // panel runs each thread claims per row chunk (claimed_chunks.h)
 
@@ -186,8 +180,8 @@ constexpr Microkernel<typename F::Elem> kMicrokernels[kMaxRows + 1] = {
     &microkernel<F, 11>, &microkernel<F, 12>};
 
 // y [m, n] = x [m, K] . panels: the threads claim runs of panels, rows go in chunks whose
-// x stays in L2, split evenly into blocks of up to kMaxRows rows (row_blocks.h: 64 rows 502 -> 529 GFLOPS
-// on a [576, 3072] weight in cache, AMD EPYC Zen 5 VM), each one microkernel call over the whole K.
+// x stays in L2, split evenly into blocks of up to kMaxRows rows (row_blocks.h), each one microkernel
+// call over the whole K.
 // `steps` is K (float32) or K / 2 (bfloat16 pairs); `ldx` is x's row stride in elements.
 template <typename Elem>
 void run_panels(const Elem* xp, int64_t ldx, const Elem* wp, int64_t steps, int64_t panels, int64_t m, int64_t n,

@@ -22,10 +22,8 @@
 // AVX2 register): each key's q.k is accumulated as VL partial sums, then VL keys' partials are
 // folded into one vector of VL scores by pairwise shuffles (log2(VL) levels), so no key pays for a
 // horizontal sum of its own (on AVX-512 the fold takes in-lane shuffles first, 128-bit block
-// shuffles last, and no two-source permutes); softmax weights use a vector exp. At batch 64 this
-// halved the kernel's time with K/V in cache and, with the prefetches spread through it, took
-// 2.8 -> 1.8 ms per layer at contexts up to 384 with K/V from DRAM; scoring the query heads
-// together and the cheaper fold took another 25-30 % off in cache (docs/PERFORMANCE.md). Shapes
+// shuffles last, and no two-source permutes); softmax weights use a vector exp; the query heads that
+// share a KV head are scored together, so each key is loaded once for all of them. Shapes
 // the vector path does not cover (head_dim or block_size not a multiple of VL) take a scalar path
 // with the same results.
 // Built with -ffast-math: nothing here produces an infinity or a NaN (masked keys get a finite
@@ -171,8 +169,7 @@ inline vf exp_nonpositive(vf x) {
 // Prefetches the next block's K and V, a few cache lines of each per call. The vector path calls it
 // once per key and query head it scores or adds, so the lines are requested evenly through the
 // block's arithmetic:
-// a burst of 128 prefetches up front fills the core's miss buffers and stalls that arithmetic
-// (1.11 -> 0.95 ms per layer at batch 64, context up to 256, every block from DRAM).
+// a burst of prefetches up front would fill the core's miss buffers and stall that arithmetic.
 struct NextBlock {
   const char* k = nullptr;
   const char* v = nullptr;

@@ -1,19 +1,18 @@
 // The float32 greedy head's token ids from a bfloat16 LM head: a screen with a proven error bound,
 // then the few tokens it cannot rule out recomputed in float32.
 //
-// Why: the LM head is the largest GEMM of a small model's decode step (49152 x 576 for SmolLM2,
-// ~15 % of a batch-64 float32 step), and a greedy row that wants no log-prob needs only its argmax.
-// With a = the logits from bfloat16-rounded x and W summed in float32 (packed_gemm_bf16, ~2x the
-// float32 GEMM's rate), each product's rounding error is at most (2u + u^2)|x_i||w_i| (u = 2^-8),
+// Why: the LM head is the largest GEMM of a small model's decode step (49152 x 576 for SmolLM2), and
+// a greedy row that wants no log-prob needs only its argmax. With a = the logits from bfloat16-rounded
+// x and W summed in float32 (packed_gemm_bf16, about twice the float32 GEMM's rate), each product's rounding error is at most (2u + u^2)|x_i||w_i| (u = 2^-8),
 // the float32 sums add at most ~K 2^-24 of sum |x_i||w_i| on either side, and Cauchy-Schwarz bounds
 // that sum by ||x|| ||w_j||, so
 //     |exact_j - a_j| <= B_j = ||x|| * col_bound_j,   col_bound_j = c ||w_j||   (c from Python, rounded up).
 // Let L = max_k (a_k - B_k). A token with a_j + B_j < L has exact_j < exact_k for that k, so it is
-// neither the argmax nor tied with it. The rest (1-3 tokens typically on SmolLM2, ~20 at most) get
+// neither the argmax nor tied with it. The rest (a few tokens) get
 // their float32 logit recomputed with the float32 GEMM's own arithmetic (csrc/packed_gemm.cpp: from
 // zero, one FMA per product, in k order), and the argmax among them, lowest index on ties, is the
 // float32 head's argmax bit for bit. The log-prob needs every logit exactly, so rows that want it
-// keep the float32 head (model_runner.py).
+// keep the float32 head (runner/head.py).
 //
 // AVX-512 only: the screen comes from the bfloat16 GEMM, which needs AVX512-BF16 anyway.
 

@@ -1,0 +1,50 @@
+"""The reference device backend: the plain PyTorch model as it is, on any device."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tritonllm.runner.step_inputs import MAX_DECODE_GROUPS
+
+
+class DeviceBackend:
+    """What a device adds to the plain model. This base is the torch reference: it changes nothing,
+    and each hook below says what a faster backend may do instead.
+
+    A backend is chosen once per engine (`devices.select_backend`) and applied once per loaded model
+    (`optimize`, also on every tensor-parallel rank).
+    """
+
+    name = "torch"
+    # Decodes are split into up to this many groups by context length: the torch attention pads each
+    # group to its longest context, so mixed lengths gather less K/V in several groups.
+    max_decode_groups = MAX_DECODE_GROUPS
+    # Whether every row of a step is computed exactly as a one-token decode's row would be, so that a
+    # speculative draft's rows give the same tokens and log-probs as decoding one at a time.
+    exact_rows = False
+
+    def optimize(self, model: nn.Module) -> nn.Module:
+        """Apply the backend's fast paths to a loaded model (in place); returns it."""
+        return model
+
+    def for_worker(self) -> "DeviceBackend":
+        """The backend a tensor-parallel rank >= 1 applies (such a rank never computes logits)."""
+        return self
+
+    def screens_greedy(self, rows: int) -> bool:
+        """Whether a plain-greedy step of `rows` rows should take `greedy_ids` for the rows that want no
+        log-prob (the runner's head: runner/head.py)."""
+        return False
+
+    def greedy_ids(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy token ids of these final hidden states, found without the full logits."""
+        raise NotImplementedError
+
+    def greedy_head(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Argmax and its log-prob of plain-greedy logits as the sampler packs them (int32 [2, rows]),
+        where the backend has a fused op (None: the sampler's torch ops)."""
+        return None
+
+    def describe(self) -> str:
+        return "torch reference (attention through torch ops, decode groups by context length)"
