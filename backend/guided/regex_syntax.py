@@ -7,8 +7,8 @@ class in Rust, `a*+` is possessive in Python and `(a*)+` in Rust, `(?x)` skips w
 again in Rust's syntax: every literal escaped by Rust's rules, `{,n}` as `{0,n}`, verbose mode's
 whitespace and comments dropped, octal and `\\N{...}` escapes as the characters they name.
 
-What llguidance cannot follow (it matches with an automaton, which has no memory of what a group
-matched and never backtracks) is refused here by name: backreferences, lookarounds, conditional
+What llguidance cannot follow (it matches with an automaton, which reads each character once and
+remembers no group) is refused here by name: backreferences, lookarounds, conditional
 groups, atomic groups, possessive quantifiers and word boundaries; of the flags, only `(?a)` and
 `(?L)`, which change what `\\w`, `\\d` and `\\s` mean, are refused. Matching is whole-output
 (`re.fullmatch`): `^` and `\\A` at the start and `$` and `\\Z` at the end mean nothing more, and
@@ -63,8 +63,8 @@ def _literal(ch: str) -> str:
 
 
 def _refuse(what: str, construct: str) -> InvalidRequestError:
-    return InvalidRequestError(f"{what}: {construct} are not supported (guided decoding follows a regular "
-                               f"expression with an automaton, which neither remembers groups nor backtracks)")
+    return InvalidRequestError(f"{what}: {construct} are not supported (guided decoding matches with an "
+                               f"automaton, which reads each character once and remembers no group)")
 
 
 class _Translator:
