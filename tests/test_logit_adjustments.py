@@ -8,10 +8,8 @@ import torch
 
 from grpc_stream import StreamClient, make_inputs
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
-from tritonllm.guided.choice import GuidedChoice
-from tritonllm.guided.regex import GuidedRegex, VocabularyTrie
+from tritonllm.guided.decoding import Guides
 from tritonllm.runner.logit_adjustments import LogitAdjustments
-from tritonllm.guided.regex_automaton import RegexAutomaton
 from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 from tritonllm.scheduling.scheduler import ScheduledSeq
 from tritonllm.engine.sequence import Sequence
@@ -132,18 +130,20 @@ def test_bad_words_are_never_generated(engine, tokenizer):
         assert not any(tuple(out.token_ids[i:i + len(w)]) == w for i in range(len(out.token_ids))), w
 
 
-@pytest.mark.parametrize("model_vocab", [12, 6])
-@pytest.mark.parametrize("dense", [True, False], ids=["guide-mask", "guide-ids"])
-def test_a_guides_tokens_meet_allowed_token_ids_and_win_when_they_share_none(dense, model_vocab):
-    # A tokenizer of 8 token texts (0: end of sequence) beside a model vocabulary of 12, or of 6 (a
-    # tokenizer can list tokens the model has no row for); the regex guide gives a bool per token of
-    # its 8, the choice guide ids: the step's mask must be the same either way.
-    texts = [None, "a", "b", "ab", "c", "ba", "x", None]
-    guide = (GuidedRegex(RegexAutomaton("[ab]+"), VocabularyTrie(texts), {0}).start() if dense
-             else GuidedChoice([(1,), (2,), (3,), (5,)], {0}))
-    for explicit, allowed in (([], {1, 2, 3, 5}), ([2, 4, 5, 11], {2, 5}), ([4, 6, 11], {1, 2, 3, 5})):
-        seq = Sequence("g", [7], SamplingParams(allowed_token_ids=explicit, guided_decoding={"regex": "[ab]+"}))
-        seq.guided = guide  # the engine's guide for that request, on this vocabulary
+@pytest.mark.parametrize("cut", [0, 30000])
+def test_a_guides_tokens_meet_allowed_token_ids_and_win_when_they_share_none(tokenizer, cut):
+    """A regex guide beside allowed_token_ids: the step allows what both allow, or the guide's tokens
+    where they share none. A model vocabulary `cut` tokens short of the tokenizer's (a tokenizer can
+    list tokens the model has no row for) cuts the guide's mask."""
+    guided = {"regex": "[ab]+"}
+    guide = Guides(tokenizer, {tokenizer.eos_token_id}).for_request(SamplingParams(guided_decoding=guided).guided_decoding)
+    model_vocab = len(tokenizer) - cut
+    a, c = tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("c")
+    a_or_b = {i for i in range(model_vocab) if set(tokenizer.decode([i]) or "-") <= {"a", "b"}}
+    assert a in a_or_b and c not in a_or_b
+    for explicit, allowed in (([], a_or_b), ([a, c, model_vocab - 1], {a}), ([c], a_or_b)):
+        seq = Sequence("g", [7], SamplingParams(allowed_token_ids=explicit, guided_decoding=guided))
+        seq.guided = guide.start()  # what the engine gives such a request
         adjustments = LogitAdjustments.build([ScheduledSeq(seq, 1)], model_vocab, torch.device("cpu"))
         assert set(torch.nonzero(~adjustments.allowed.forbidden[0]).flatten().tolist()) == allowed, explicit
 

@@ -170,28 +170,34 @@ def teacher_forced(engine, prompt_ids: list[int], output_ids: list[int]) -> list
     return scored.prompt_logprobs[len(prompt_ids):]
 
 
-def assert_argmax_up_to_rounding(engine, prompt_ids, output_ids, logprobs=None, tol=2e-2):
-    """Each output token is `engine`'s greedy choice up to summation-order error (within `tol` of the best
-    log-prob), and its log-prob (where given) is `engine`'s within `tol`. Rounding activations to bfloat16
-    turns a float32 difference in the last bit into a bfloat16 step now and then, so the tolerance is a
-    few bfloat16 steps, far below what a wrong rounding or layout would give."""
+def assert_greedy_up_to_noise(engine, prompt_ids, output_ids, logprobs=None, tol=0.1, mean_tol=0.02):
+    """Each output token is `engine`'s greedy choice after the same tokens, up to `tol` in log-prob, and its
+    log-prob (where given) is `engine`'s within `tol`, `mean_tol` on average. Rounding activations to
+    bfloat16 turns a last-bit difference of two summation orders into a bfloat16 step now and then, and
+    those steps add up over 30 layers: these bounds are far above that and far below what a GEMM that
+    multiplied the wrong values would give."""
+    diffs = []
     for i, entries in enumerate(teacher_forced(engine, prompt_ids, output_ids)):
         (token, lp, rank), best = entries[0], max(entries, key=lambda e: e[1])
         assert token == output_ids[i]
         assert rank == 1 or best[1] - lp <= tol, (i, entries)
         if logprobs is not None:
-            assert abs(logprobs[i] - lp) <= tol, (i, logprobs[i], lp)
+            diffs.append(abs(logprobs[i] - lp))
+    if diffs:
+        assert max(diffs) <= tol and sum(diffs) / len(diffs) <= mean_tol, diffs
 
 
 @avx512_bf16
 def test_engine_with_bf16_gemm_is_float32_with_bf16_rounded_gemm_operands():
-    """`cpu_gemm=avx512_bf16` is: every GEMM's x and W rounded to bfloat16, all else float32.
+    """`cpu_gemm=avx512_bf16`: every GEMM of the engine (layers and LM head) takes the bfloat16 kernel,
+    whose arithmetic is pinned above (test_bf16_gemm_equals_the_product_of_bf16_rounded_operands); all
+    else stays float32.
 
     The reference is the plain-torch engine with its linear weights rounded and a hook rounding their
     inputs, its tied LM head a rounded copy (the embedding lookup keeps float32). Each token the bf16
-    engine chose is the reference's greedy choice after the same tokens, up to summation order (MKL and
-    our kernel add in other orders), with the same log-prob. Requests without
-    log-probs take the greedy screen, whose ids are a float32 head's on the same hidden states."""
+    engine chose is the reference's greedy choice after the same tokens, with its log-prob, up to the
+    noise of other summation orders. Requests without log-probs take the greedy screen, whose ids are a
+    float32 head's on the same hidden states."""
     from torch import nn
 
     from tritonllm.engine.config import EngineConfig
@@ -203,7 +209,10 @@ def test_engine_with_bf16_gemm_is_float32_with_bf16_rounded_gemm_operands():
     engine = Engine(EngineConfig.from_parameters(device="cpu", num_threads=2, cpu_gemm="avx512_bf16", num_kv_blocks=256,
                                                  warmup=False))
     model = engine.runner.model
-    assert model.layers[0].mlp.down_proj.packed.kernel == "avx512_bf16"
+    from tritonllm.devices.cpu.packed_linear import PackedLinear
+
+    layers = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert len(layers) == 4 * model.num_layers and all(m.packed.kernel == "avx512_bf16" for m in layers)
     assert model.lm_head.packed.data is engine.runner.backend.screen.packed  # one bfloat16 copy of the head
     prompt_ids = [engine.tokenizer.encode(p) for p in prompts]
     got = engine.generate(prompt_token_ids=prompt_ids, params=params)
@@ -222,7 +231,7 @@ def test_engine_with_bf16_gemm_is_float32_with_bf16_rounded_gemm_operands():
     rounded_head.register_forward_pre_hook(lambda module, args: (bf16_rounded(args[0]),))
     model.lm_head = rounded_head
     for ids, out in zip(prompt_ids, got):
-        assert_argmax_up_to_rounding(reference, ids, out.token_ids, out.logprobs)
+        assert_greedy_up_to_noise(reference, ids, out.token_ids, out.logprobs)
     model.lm_head = None  # the float32 head the screen's ids are exact for
     for ids, out in zip(prompt_ids, got_ids_only):
-        assert_argmax_up_to_rounding(reference, ids, out.token_ids)
+        assert_greedy_up_to_noise(reference, ids, out.token_ids)
