@@ -300,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--no-prepare", action="store_true",
                         help="skip converting the packaged default model before starting")
+    parser.add_argument("--openai-port", type=int, default=None,
+                        help="also serve the OpenAI-compatible API (tritonllm.openai) on --host at this port")
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
 
@@ -328,6 +330,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"try:  curl -s -X POST {args.host}:{args.http_port}/v2/models/smollm2/generate_stream "
           """-d '{"text_input": "What is the capital of France?", "stream": true, """
           """"sampling_parameters": "{\\"max_tokens\\": 32}"}'""", flush=True)
+    if args.openai_port is not None:
+        from tritonllm.openai.server import start_server
+
+        # A child process that stops by itself once its parent (tritonserver, after the exec below) is gone.
+        grpc_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        start_server(f"{grpc_host}:{args.grpc_port}", args.host, args.openai_port)
+        print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1", flush=True)
     # exec, not a child: Ctrl-C and signals reach tritonserver directly and logs go to the terminal.
     os.execvpe(cmd[0], cmd, server_env())
 

@@ -1,0 +1,15 @@
+"""An OpenAI-compatible HTTP API in front of tritonserver.
+
+`/v1/models`, `/v1/completions` and `/v1/chat/completions` (streamed as server-sent events or not),
+served by FastAPI and uvicorn in a process beside tritonserver. Each completion is forwarded to the
+Triton model over Triton's gRPC streaming (`tritonclient.grpc.aio`), so instances, batching, metrics
+and cancellation stay Triton's: a client that disconnects cancels its Triton request.
+
+- `protocol.py`: the request bodies (pydantic) and how each field maps to the model's inputs and
+  sampling parameters;
+- `triton.py`: the generate models of the repository, their tokenizers (for chat templates), and
+  one streamed Triton request;
+- `responses.py`: Triton outputs -> OpenAI's response and chunk objects;
+- `server.py`: the FastAPI app and `main` (`python -m tritonllm.openai`), `start_server` for the
+  launcher.
+"""

@@ -1,0 +1,266 @@
+"""OpenAI request bodies, and how each field becomes the Triton model's inputs and sampling parameters.
+
+The model's own checks stay the truth: values are passed on as they are, and a value the engine
+refuses comes back as Triton's INVALID_ARG, answered with HTTP 400 and the engine's message. Here
+are only what the model cannot see: OpenAI's own fields and defaults, and the features this server
+does not offer (refused with 400 naming the field).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger("tritonllm.openai")
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}`."""
+
+    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable_error",
+             500: "internal_server_error"}
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "internal_server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request", param)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # structural_tag's `structures` and `triggers`
+    type: str
+    json_schema: dict | None = None
+
+
+class _Request(BaseModel):
+    """Fields both endpoints take. Fields of neither OpenAI nor vLLM are ignored, as vLLM's server
+    does, so that clients written for other servers keep working; they are logged once."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None  # accepted, not used
+    # vLLM's extra sampling fields, passed on under the same names (docs/API.md lists them).
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    priority: int | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    # vLLM's guided decoding fields, and its newer `structured_outputs` object.
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: llguidance is the only backend
+    structured_outputs: dict | None = None
+
+    _PASSED_ON = ("n", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                  "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
+                  "skip_special_tokens", "spaces_between_special_tokens", "bad_words", "allowed_token_ids",
+                  "priority", "truncate_prompt_tokens", "prompt_logprobs")
+
+    def warn_ignored(self) -> None:
+        for name in sorted(self.model_extra or {}):
+            if name not in _WARNED:
+                _WARNED.add(name)
+                logger.warning("request field %r is not known to this server and is ignored", name)
+
+    def sampling_parameters(self, max_tokens: int | None) -> dict[str, Any]:
+        """The model's `sampling_parameters` for this request (values not set are left to the model)."""
+        params: dict[str, Any] = {name: getattr(self, name) for name in self._PASSED_ON if getattr(self, name) is not None}
+        # OpenAI's default temperature is 1 (sampling); the model's is 0 (greedy).
+        params["temperature"] = 1.0 if self.temperature is None else self.temperature
+        params["max_tokens"] = max_tokens
+        if self.logit_bias:
+            params["logit_bias"] = self.logit_bias
+        guide = self._guided_decoding()
+        if guide is not None:
+            params["guided_decoding"] = guide
+        return params
+
+    def _guided_decoding(self) -> dict | None:
+        kinds: dict[str, Any] = {}
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "json_object":
+                kinds["json_object"] = True
+            elif rf.type == "json_schema":
+                schema = (rf.json_schema or {}).get("schema")
+                if schema is None:
+                    raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+                kinds["json"] = schema
+            elif rf.type == "structural_tag":
+                extra = rf.model_extra or {}
+                kinds["structural_tag"] = {"structures": extra.get("structures"), "triggers": extra.get("triggers")}
+            else:
+                raise bad_request(f"response_format type {rf.type!r} is not supported: text, json_object, "
+                                  "json_schema or structural_tag", "response_format")
+        for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                kinds[kind] = getattr(self, field)
+        if self.structured_outputs is not None:
+            kinds.update(self.structured_outputs)
+        if not kinds:
+            return None
+        if self.guided_whitespace_pattern is not None:
+            kinds["whitespace_pattern"] = self.guided_whitespace_pattern
+        return kinds  # more than one kind: the model refuses it, naming them
+
+    def wants_usage(self) -> tuple[bool, bool]:
+        """(usage chunk at the end, usage in every chunk), for streams."""
+        if self.stream_options is None:
+            return False, False
+        return self.stream_options.include_usage, self.stream_options.continuous_usage_stats
+
+
+_WARNED: set[str] = set()
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = list(p)
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise bad_request("prompt must not be empty", "prompt")
+        return prompts
+
+    def check(self) -> None:
+        if self.suffix:
+            raise bad_request("suffix (insertion) is not supported", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (the prompt's log-probs: prompt_logprobs)", "echo")
+
+    def sampling_parameters(self, max_tokens: int | None = None) -> dict[str, Any]:
+        params = super().sampling_parameters(self.max_tokens)
+        if self.best_of is not None:
+            params["best_of"] = self.best_of
+        if self.logprobs is not None:
+            params["logprobs"] = self.logprobs
+        return params
+
+    @property
+    def return_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id: passed to the template
+    role: str
+    content: Union[str, list[dict], None] = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    functions: list[dict] | None = None
+    function_call: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None  # accepted, not used
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    # vLLM's chat template fields.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+
+    def check(self) -> None:
+        if (self.tools or self.functions) and self.tool_choice != "none" and self.function_call != "none":
+            raise bad_request("tools and functions are not supported (tool_choice 'none' is accepted)", "tools")
+        if self.audio is not None or (self.modalities and set(self.modalities) - {"text"}):
+            raise bad_request("only text output is supported", "modalities")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs true", "top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+
+    def template_messages(self) -> list[dict]:
+        """The messages as the chat template takes them: text content only, `developer` as `system`."""
+        out = []
+        for i, m in enumerate(self.messages):
+            message = {**(m.model_extra or {}), "role": "system" if m.role == "developer" else m.role}
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise bad_request(f"messages[{i}]: only text content parts are supported, got "
+                                          f"{part.get('type')!r}", "messages")
+                    texts.append(part["text"])
+                content = "\n".join(texts)  # as vLLM joins a message's text parts
+            message["content"] = content if content is not None else ""
+            out.append(message)
+        return out
+
+    def template_kwargs(self) -> dict:
+        """apply_chat_template's keyword arguments: the request's extra template variables, then ours."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        kwargs.update(add_generation_prompt=self.add_generation_prompt,
+                      continue_final_message=self.continue_final_message)
+        return kwargs
+
+    def sampling_parameters(self, max_tokens: int | None = None) -> dict[str, Any]:
+        # OpenAI's chat default: no limit but the context (max_model_len).
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        params = super().sampling_parameters(limit)
+        if self.logprobs:
+            params["logprobs"] = self.top_logprobs or 0
+        return params
+
+    @property
+    def return_logprobs(self) -> bool:
+        return self.logprobs
+

@@ -1,0 +1,159 @@
+"""Triton outputs -> OpenAI's completion objects, whole or as stream chunks.
+
+A request's choices are numbered prompt by prompt: choice `k * n + i` is completion i of prompt k
+(several prompts are a `/v1/completions` feature). Each Triton response carries, per completion, the
+new text, its token count, and with log-probs the model's `logprobs` JSON: per token, the chosen
+token first, then the N most likely ones with their ranks (docs/API.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tritonllm.openai.triton import TritonOutput
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None
+    # chat: OpenAI's logprobs.content items; completions: tokens, token_logprobs, top_logprobs, text_offset
+    chat_logprobs: list[dict] = field(default_factory=list)
+    completion_logprobs: dict = field(default_factory=lambda: {"tokens": [], "token_logprobs": [],
+                                                               "top_logprobs": [], "text_offset": []})
+    text_length: int = 0  # characters so far, for text_offset
+
+
+@dataclass
+class Delta:
+    """What one Triton response added to one choice."""
+
+    index: int
+    text: str
+    logprobs: dict | list | None
+    finish_reason: str | None
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    # The model's reasons are vLLM's: stop, length, abort. OpenAI knows stop and length.
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+class Choices:
+    """The state of one request's choices: `add` each Triton response, then build the object or chunks."""
+
+    def __init__(self, chat: bool, n: int, num_prompts: int, top_logprobs: int | None, echo: list[str] | None = None):
+        self.chat, self.n, self.top_n = chat, n, top_logprobs
+        self.choices = [_Choice() for _ in range(n * num_prompts)]
+        self.prompt_tokens = [0] * num_prompts
+        self.prompt_logprobs: list = [None] * num_prompts
+        self._echo = echo  # completions with echo: each prompt's text, leading its choices' text
+        self._echoed: set[int] = set()
+        self.created = int(time.time())
+
+    def add(self, prompt_index: int, out: TritonOutput) -> list[Delta]:
+        if out.num_input_tokens is not None:
+            self.prompt_tokens[prompt_index] = out.num_input_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = out.prompt_logprobs
+        deltas = []
+        for i, text in enumerate(out.texts):
+            index = prompt_index * self.n + i
+            choice = self.choices[index]
+            if self._echo is not None and index not in self._echoed:
+                self._echoed.add(index)
+                text = self._echo[prompt_index] + text
+            choice.tokens += out.token_counts[i] if i < len(out.token_counts) else 0
+            logprobs = None
+            if out.top_logprobs is not None and i < len(out.top_logprobs):
+                logprobs = self._logprobs(choice, out.top_logprobs[i])
+            choice.text.append(text)
+            choice.text_length += len(text)
+            if out.final and out.finish_reasons is not None:
+                choice.finish_reason = _finish_reason(out.finish_reasons[i])
+            if text or logprobs or (out.final and choice.finish_reason is not None):
+                deltas.append(Delta(index, text, logprobs, choice.finish_reason if out.final else None))
+        return deltas
+
+    def _logprobs(self, choice: _Choice, tokens: list[dict]):
+        """This response's tokens in OpenAI's log-probs form; also appended to the choice's."""
+        top_n = self.top_n or 0
+        if self.chat:
+            items = []
+            for entries in tokens:
+                ranked = sorted(entries.values(), key=lambda e: e["rank"])
+                chosen = next(iter(entries.values()))
+                token = chosen["decoded_token"]
+                items.append({"token": token, "logprob": chosen["logprob"], "bytes": _bytes(token),
+                              "top_logprobs": [{"token": e["decoded_token"], "logprob": e["logprob"],
+                                                "bytes": _bytes(e["decoded_token"])} for e in ranked[:top_n]]})
+            choice.chat_logprobs += items
+            return items
+        part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = choice.text_length
+        for entries in tokens:
+            ranked = sorted(entries.values(), key=lambda e: e["rank"])
+            chosen = next(iter(entries.values()))
+            part["tokens"].append(chosen["decoded_token"])
+            part["token_logprobs"].append(chosen["logprob"])
+            part["top_logprobs"].append({e["decoded_token"]: e["logprob"] for e in ranked[:top_n]})
+            part["text_offset"].append(offset)
+            offset += len(chosen["decoded_token"])
+        for key, values in part.items():
+            choice.completion_logprobs[key] += values
+        return part
+
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_tokens)
+        completion = sum(c.tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # ---- whole responses ----------------------------------------------------------------------
+    def response(self, request_id: str, model: str, want_logprobs: bool) -> dict:
+        choices = []
+        for index, c in enumerate(self.choices):
+            text = "".join(c.text)
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text},
+                          "logprobs": {"content": c.chat_logprobs} if want_logprobs else None,
+                          "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": index, "text": text,
+                          "logprobs": c.completion_logprobs if want_logprobs else None,
+                          "finish_reason": c.finish_reason}
+            if self.prompt_logprobs[index // self.n] is not None:  # vLLM's field
+                choice["prompt_logprobs"] = self.prompt_logprobs[index // self.n]
+            choices.append(choice)
+        return {"id": request_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": model, "choices": choices, "usage": self.usage()}
+
+    # ---- stream chunks ------------------------------------------------------------------------
+    def chunk(self, request_id: str, model: str, choices: list[dict], usage: dict | None = None) -> dict:
+        chunk = {"id": request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": model, "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+    def first_chunk_choices(self) -> list[dict]:
+        """Chat streams open each choice with the assistant role, as OpenAI's do."""
+        if not self.chat:
+            return []
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(len(self.choices))]
+
+    def delta_choice(self, delta: Delta) -> dict:
+        if self.chat:
+            choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                      "logprobs": {"content": delta.logprobs} if delta.logprobs is not None else None,
+                      "finish_reason": delta.finish_reason}
+        else:
+            choice = {"index": delta.index, "text": delta.text, "logprobs": delta.logprobs,
+                      "finish_reason": delta.finish_reason}
+        return choice

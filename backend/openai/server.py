@@ -1,0 +1,353 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over `TritonBackend`; `main` runs it with uvicorn.
+
+    python -m tritonllm.openai --triton-url 127.0.0.1:8001 --port 9000
+
+`tritonllm-serve --openai-port 9000` starts it beside tritonserver (`start_server`). It holds no
+model: every completion is a Triton request, so it can start before tritonserver is ready (requests
+then get 503) and follows models as they are loaded and unloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from tritonllm.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from tritonllm.openai.responses import Choices
+from tritonllm.openai.triton import TritonBackend, TritonOutput, TritonRequest
+
+logger = logging.getLogger("tritonllm.openai")
+
+DEFAULT_PORT = 9000  # scripts/serve.sh's; tritonllm-serve starts this server only with --openai-port
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected: nobody is left to answer."""
+
+
+class _Jobs:
+    """A request's Triton requests (one per prompt), run at once; their outputs merged in arrival order."""
+
+    def __init__(self, backend: TritonBackend, requests: list[TritonRequest]):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending = len(requests)
+        self._buffer: list[tuple[int, TritonOutput]] = []
+        self._tasks = [asyncio.ensure_future(self._run(backend, k, r)) for k, r in enumerate(requests)]
+
+    async def _run(self, backend: TritonBackend, k: int, request: TritonRequest) -> None:
+        try:
+            async for out in backend.stream(request):
+                self._queue.put_nowait((k, out, None))
+        except OpenAIError as exc:
+            self._queue.put_nowait((k, None, exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the client as a 500, never lost
+            logger.exception("Triton request %s failed", request.request_id)
+            self._queue.put_nowait((k, None, OpenAIError(500, f"{type(exc).__name__}: {exc}", "internal_error")))
+        finally:
+            self._queue.put_nowait((k, None, None))
+
+    async def _next(self):
+        """(prompt index, output), or None when every request has ended; raises a request's error."""
+        while self._pending:
+            k, out, error = await self._queue.get()
+            if error is not None:
+                raise error
+            if out is not None:
+                return k, out
+            self._pending -= 1
+        return None
+
+    async def prime(self) -> None:
+        """Wait for every request's first response, so that a refused request is answered with its
+        HTTP status before a stream's headers go out."""
+        started: set[int] = set()
+        while len(started) < len(self._tasks):
+            item = await self._next()
+            if item is None:
+                return
+            self._buffer.append(item)
+            started.add(item[0])
+
+    async def outputs(self) -> AsyncIterator[tuple[int, TritonOutput]]:
+        while self._buffer:
+            yield self._buffer.pop(0)
+        while (item := await self._next()) is not None:
+            yield item
+
+    async def close(self) -> None:
+        """Cancel the requests still running (each then cancels its Triton request)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the HTTP client has gone (the body is already read, so only that message is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, cancelling it if the client disconnects first (then _ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise _ClientGone()
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+async def _load_tokenizers(backend: TritonBackend, wait_s: float = 1800, poll_s: float = 1.0) -> None:
+    """Load the generate models' tokenizers once tritonserver is ready, so that the first chat request
+    does not wait for transformers (seconds). Bounded: gives up after `wait_s`; requests load them anyway."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if await backend.ready():
+                models = await backend.generate_models()
+                if models:
+                    for info in models.values():
+                        await backend.tokenizer(info)
+                    return
+        except Exception:  # noqa: BLE001 - a request that needs the tokenizer reports the error
+            logger.warning("loading a tokenizer ahead of requests failed", exc_info=True)
+            return
+        await asyncio.sleep(poll_s)
+
+
+def _invalid(errors: list[dict]) -> OpenAIError:
+    """pydantic's complaints as one 400, naming the first field at fault."""
+    problems = []
+    for error in errors:
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        problems.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
+    first = errors[0].get("loc", ()) if errors else ()
+    param = ".".join(str(p) for p in first if p != "body") or None
+    return OpenAIError(400, "; ".join(problems) or "invalid request body", "invalid_request", param)
+
+
+async def _parse(model_class, raw: Request):
+    """The JSON body, whatever the Content-Type says (curl -d sends form encoding unless told)."""
+    try:
+        return model_class.model_validate_json(await raw.body())
+    except ValidationError as exc:
+        raise _invalid(exc.errors()) from None
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def create_app(triton_url: str) -> FastAPI:
+    backend = TritonBackend(triton_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await backend.start()
+        warm = asyncio.ensure_future(_load_tokenizers(backend))
+        yield
+        warm.cancel()
+        await asyncio.gather(warm, return_exceptions=True)
+        await backend.close()
+
+    app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
+    app.state.backend = backend
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return JSONResponse(_invalid(exc.errors()).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        """200 when tritonserver is ready (the probe of this server's readiness)."""
+        if await backend.ready():
+            return Response(status_code=200)
+        return JSONResponse(OpenAIError(503, f"tritonserver at {triton_url} is not ready", "unavailable").body(),
+                            status_code=503)
+
+    def model_card(info) -> dict:
+        card = {"id": info.name, "object": "model", "created": started, "owned_by": "tritonllm"}
+        if info.max_model_len is not None:
+            card["max_model_len"] = info.max_model_len
+        return card
+
+    started = int(time.time())
+
+    @app.get("/v1/models")
+    async def list_models():
+        models = await backend.generate_models()
+        return {"object": "list", "data": [model_card(info) for _, info in sorted(models.items())]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str):
+        return model_card(await backend.model(name))
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        body = await _parse(CompletionRequest, raw)
+        body.check()
+        body.warn_ignored()
+        model = await backend.model(body.model)
+        prompts = body.prompts()
+        echo = None
+        if body.echo:
+            tokenizer = None
+            echo = []
+            for p in prompts:
+                if isinstance(p, str):
+                    echo.append(p)
+                else:
+                    tokenizer = tokenizer or await backend.tokenizer(model)
+                    echo.append(tokenizer.decode(p))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        sampling = body.sampling_parameters()
+        requests = [TritonRequest(model, p, sampling, body.stream, body.return_logprobs, f"{request_id}-{k}")
+                    for k, p in enumerate(prompts)]
+        choices = Choices(chat=False, n=body.n, num_prompts=len(prompts), top_logprobs=body.logprobs, echo=echo)
+        return await _answer(backend, raw, body, model.name, request_id, requests, choices)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        body = await _parse(ChatCompletionRequest, raw)
+        body.check()
+        body.warn_ignored()
+        model = await backend.model(body.model)
+        messages = body.template_messages()
+        tokenizer = await backend.tokenizer(model)
+        try:
+            # The model's own `apply_chat_template` input wraps one user message; the tokenizer's
+            # template takes any conversation, and gives the same tokens for one user message.
+            ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=True, return_dict=False,
+                                          **body.template_kwargs())
+        except Exception as exc:  # noqa: BLE001 - jinja's errors name the template's complaint
+            raise OpenAIError(400, f"the chat template cannot render these messages: {exc}", "invalid_request",
+                              "messages") from None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        requests = [TritonRequest(model, list(ids), body.sampling_parameters(), body.stream, body.return_logprobs,
+                                  request_id)]
+        choices = Choices(chat=True, n=body.n, num_prompts=1, top_logprobs=body.top_logprobs)
+        return await _answer(backend, raw, body, model.name, request_id, requests, choices)
+
+    return app
+
+
+async def _answer(backend: TritonBackend, raw: Request, body, model: str, request_id: str,
+                  requests: list[TritonRequest], choices: Choices):
+    jobs = _Jobs(backend, requests)
+    if not body.stream:
+        async def collect():
+            async for k, out in jobs.outputs():
+                choices.add(k, out)
+            return choices.response(request_id, model, body.return_logprobs)
+
+        try:
+            return await _unless_disconnected(raw, collect())
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it; the Triton requests are cancelled
+        finally:
+            await jobs.close()
+    try:
+        await _unless_disconnected(raw, jobs.prime())
+    except BaseException as exc:
+        await jobs.close()
+        if isinstance(exc, _ClientGone):
+            return Response(status_code=499)
+        raise
+    final_usage, continuous_usage = body.wants_usage()
+
+    async def events():
+        # Starlette cancels this generator when the client disconnects; `finally` then cancels the
+        # Triton requests still running.
+        try:
+            first = choices.first_chunk_choices()
+            if first:
+                yield _sse(choices.chunk(request_id, model, first, choices.usage() if continuous_usage else None))
+            async for k, out in jobs.outputs():
+                for delta in choices.add(k, out):
+                    chunk = choices.chunk(request_id, model, [choices.delta_choice(delta)],
+                                          choices.usage() if continuous_usage else None)
+                    yield _sse(chunk)
+            if final_usage:
+                yield _sse(choices.chunk(request_id, model, [], choices.usage()))
+        except OpenAIError as exc:  # after the headers: the error goes in the stream, as vLLM's does
+            yield _sse(exc.body())
+        finally:
+            await jobs.close()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# ---- running it ------------------------------------------------------------------------------
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Stop this server when the process that started it is gone (tritonllm-serve, or the tritonserver it
+    became by exec): the server must not outlive it and keep the port."""
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tritonllm.openai",
+                                     description="OpenAI-compatible HTTP API in front of tritonserver")
+    parser.add_argument("--triton-url", default="127.0.0.1:8001", help="tritonserver's gRPC address")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process is gone")
+    args = parser.parse_args(argv)
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    if args.exit_with_parent:
+        _exit_with_parent(os.getppid())
+    uvicorn.run(create_app(args.triton_url), host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=5)
+
+
+def start_server(triton_url: str, host: str, port: int, log_level: str = "warning") -> subprocess.Popen:
+    """Start the server as a child process (tritonllm-serve's --openai-port); it stops when its parent does."""
+    cmd = [sys.executable, "-m", "tritonllm.openai", "--triton-url", triton_url, "--host", host,
+           "--port", str(port), "--log-level", log_level, "--exit-with-parent"]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+
+def stop_server(process: subprocess.Popen, timeout: float = 10) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)

@@ -1,0 +1,279 @@
+"""The Triton side of the OpenAI server: the generate models, their tokenizers, one streamed request.
+
+Every completion is one Triton request on its own gRPC bidirectional stream (`tritonclient.grpc.aio`,
+one channel for all): an error then belongs to that request alone. The stream is half-closed once
+the final response has arrived, and cancelled only when the HTTP client went away before it: the
+model then aborts the request and frees its KV blocks (docs/API.md, cancellation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
+
+from tritonllm.openai.protocol import OpenAIError
+
+logger = logging.getLogger("tritonllm.openai")
+
+# Triton (24.08 and later) then ends a stream whose request failed with the error's gRPC status code
+# instead of an error message inside the stream, so INVALID_ARG and UNAVAILABLE can be told apart.
+_STREAM_HEADERS = {"triton_grpc_error": "true"}
+_HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.RESOURCE_EXHAUSTED: 503}
+_CODES = {400: "invalid_request", 404: "model_not_found", 503: "unavailable", 500: "internal_error"}
+_DRAIN_S = 5.0  # after the final response, how long the stream's clean end is waited for
+
+
+@dataclass
+class ModelInfo:
+    """A generate model of the repository, from Triton's model config."""
+
+    name: str
+    config: dict
+
+    @property
+    def inputs(self) -> set[str]:
+        return {tensor["name"] for tensor in self.config.get("input", [])}
+
+    def parameter(self, key: str, default: str = "") -> str:
+        return self.config.get("parameters", {}).get(key, {}).get("string_value", default)
+
+    @property
+    def max_model_len(self) -> int | None:
+        value = self.parameter("max_model_len")
+        return int(value) if value.strip().isdigit() else None
+
+
+def is_generate_model(config: dict) -> bool:
+    """Our generate models (and Triton's vLLM backend's): decoupled, with text_input and text_output."""
+    inputs = {tensor["name"] for tensor in config.get("input", [])}
+    outputs = {tensor["name"] for tensor in config.get("output", [])}
+    decoupled = config.get("model_transaction_policy", {}).get("decoupled", False)
+    return decoupled and "text_input" in inputs and "text_output" in outputs
+
+
+@dataclass
+class TritonOutput:
+    """One Triton response, per completion (`n` of them)."""
+
+    texts: list[str]
+    token_counts: list[int]  # this response's new tokens, per completion
+    logprobs: list[list[float]] | None = None  # each new token's log-prob, per completion
+    top_logprobs: list[list[dict]] | None = None  # per completion, per token: {id: {logprob, rank, decoded_token}}
+    finish_reasons: list[str] | None = None
+    num_input_tokens: int | None = None
+    prompt_logprobs: list | None = None
+    final: bool = False
+
+
+def _strings(result, name: str) -> list[str] | None:
+    array = result.as_numpy(name)
+    if array is None:
+        return None
+    return [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in array.reshape(-1)]
+
+
+def parse_output(result) -> TritonOutput:
+    texts = _strings(result, "text_output") or [""]
+    counts_array = result.as_numpy("num_output_tokens")
+    ids = result.as_numpy("output_ids")
+    if counts_array is not None:
+        counts = [int(c) for c in counts_array.reshape(-1)]
+    else:  # a model that does not return counts: n = 1 assumed
+        counts = [0 if ids is None else int(ids.size)]
+    out = TritonOutput(texts=texts, token_counts=counts)
+    flat = result.as_numpy("output_log_probs")
+    if flat is not None:
+        flat, start, out.logprobs = flat.reshape(-1).tolist(), 0, []
+        for count in counts:
+            out.logprobs.append(flat[start:start + count])
+            start += count
+    top = _strings(result, "logprobs")
+    if top is not None:
+        out.top_logprobs = [json.loads(text) if text else [] for text in top]
+    out.finish_reasons = _strings(result, "finish_reason")
+    num_input = result.as_numpy("num_input_tokens")
+    if num_input is not None:
+        out.num_input_tokens = int(num_input.reshape(-1)[0])
+    prompt = _strings(result, "prompt_logprobs")
+    if prompt:
+        out.prompt_logprobs = json.loads(prompt[0])
+    final = result.get_response().parameters.get("triton_final_response")
+    # Our model marks its last response by finish_reason too, which counts where the parameter is absent.
+    out.final = bool(final.bool_param) if final is not None else out.finish_reasons is not None
+    return out
+
+
+def error_from_grpc(exc: grpc.aio.AioRpcError) -> OpenAIError:
+    status = _HTTP_STATUS.get(exc.code(), 500)
+    return OpenAIError(status, exc.details() or str(exc.code()), _CODES[status])
+
+
+@dataclass
+class TritonRequest:
+    """What one Triton request of a completion carries."""
+
+    model: ModelInfo
+    prompt: str | list[int]
+    sampling: dict
+    stream: bool
+    logprobs: bool
+    request_id: str = ""
+    inputs: list = field(default_factory=list)
+
+    def build(self) -> list:
+        def tensor(name: str, value, dtype: str):
+            t = grpcclient.InferInput(name, [1], dtype)
+            t.set_data_from_numpy(np.array([value], dtype=object if dtype == "BYTES" else bool))
+            return t
+
+        declared = self.model.inputs
+        if isinstance(self.prompt, str):
+            inputs = [tensor("text_input", self.prompt.encode("utf-8"), "BYTES")]
+        else:
+            if "input_ids" not in declared:
+                raise OpenAIError(400, f"model {self.model.name} takes no token ids (input_ids)", "invalid_request",
+                                  "prompt")
+            ids = grpcclient.InferInput("input_ids", [len(self.prompt)], "INT32")
+            ids.set_data_from_numpy(np.array(self.prompt, dtype=np.int32))
+            inputs = [ids]
+        inputs.append(tensor("sampling_parameters", json.dumps(self.sampling).encode("utf-8"), "BYTES"))
+        flags = {"stream": self.stream, "exclude_input_in_output": True, "return_finish_reason": True,
+                 "return_num_input_tokens": True, "return_num_output_tokens": True,
+                 "return_logprobs": self.logprobs}
+        inputs += [tensor(name, value, "BOOL") for name, value in flags.items() if name in declared]
+        return inputs
+
+
+class TritonBackend:
+    """The connection to tritonserver's gRPC endpoint, shared by every HTTP request."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.client: grpcaio.InferenceServerClient | None = None
+        self._models: dict[str, ModelInfo] = {}
+        self._tokenizers: dict[Path, asyncio.Future] = {}
+
+    async def start(self) -> None:
+        self.client = grpcaio.InferenceServerClient(self.url)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.client.is_server_ready())
+        except (InferenceServerException, grpc.RpcError):
+            return False
+
+    async def generate_models(self) -> dict[str, ModelInfo]:
+        """The repository's ready generate models, asked of Triton each time (models load and unload)."""
+        try:
+            index = await self.client.get_model_repository_index(as_json=True)
+            models = {}
+            for entry in index.get("models", []):
+                name = entry.get("name")
+                if entry.get("state") != "READY" or name in models:
+                    continue
+                config = (await self.client.get_model_config(name, as_json=True)).get("config", {})
+                if is_generate_model(config):
+                    models[name] = ModelInfo(name, config)
+        except InferenceServerException as exc:
+            raise OpenAIError(503, f"tritonserver at {self.url} does not answer: {exc.message()}", "unavailable")
+        self._models = models
+        return models
+
+    async def model(self, name: str | None) -> ModelInfo:
+        """The generate model `name` (the only one, where a request names none); 404 if there is none."""
+        if name is not None and name in self._models:
+            return self._models[name]
+        models = await self.generate_models()
+        if name is None:
+            if len(models) == 1:
+                return next(iter(models.values()))
+            raise OpenAIError(400, f"model is required; the generate models are {sorted(models)}",
+                              "invalid_request", "model")
+        if name not in models:
+            raise OpenAIError(404, f"The model `{name}` does not exist; the generate models are {sorted(models)}",
+                              "model_not_found", "model")
+        return models[name]
+
+    async def tokenizer(self, model: ModelInfo):
+        """The model's tokenizer, loaded once per model folder (the `model` parameter of config.pbtxt)."""
+        from tritonllm.models.model_files import resolve_model_dir
+
+        folder = await asyncio.to_thread(resolve_model_dir, model.parameter("model", "default"))
+        if folder not in self._tokenizers:
+            self._tokenizers[folder] = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, folder))
+        try:
+            return await asyncio.shield(self._tokenizers[folder])
+        except Exception:
+            self._tokenizers.pop(folder, None)  # a later request tries again
+            raise
+
+    async def stream(self, request: TritonRequest) -> AsyncIterator[TritonOutput]:
+        """The request's responses up to the final one; an error raises OpenAIError.
+
+        Closing the iterator before the final response (the HTTP client went away) cancels the
+        Triton request.
+        """
+        ended = asyncio.Event()
+        inputs = request.build()
+
+        async def requests():
+            yield {"model_name": request.model.name, "inputs": inputs, "request_id": request.request_id}
+            # The stream stays open until the final response: half-closing then ends it cleanly, where
+            # cancelling a finished stream can leave tritonserver 2.51 unable to unload the model
+            # (docs/CLIENT.md).
+            await ended.wait()
+
+        call = self.client.stream_infer(requests(), headers=_STREAM_HEADERS)
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:  # a server that ignores the header sends the message in the stream
+                    finished = True
+                    raise OpenAIError(500, error.message(), "internal_error")
+                out = parse_output(result)
+                if out.final:
+                    finished = True
+                    ended.set()
+                yield out
+                if finished:
+                    break
+            else:
+                finished = True
+                raise OpenAIError(500, "tritonserver ended the stream before the final response", "internal_error")
+        except grpc.aio.AioRpcError as exc:
+            finished = True
+            raise error_from_grpc(exc) from None
+        finally:
+            ended.set()
+            if not finished:
+                call.cancel()
+        try:  # the server ends the stream after the half-close: wait for that, briefly
+            await asyncio.wait_for(_drain(call), _DRAIN_S)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            pass
+
+
+async def _drain(call) -> None:
+    async for _ in call:
+        pass
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
