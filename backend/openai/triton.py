@@ -165,7 +165,19 @@ class TritonBackend:
         self._tokenizers: dict[Path, asyncio.Future] = {}
 
     async def start(self) -> None:
-        self.client = grpcaio.InferenceServerClient(self.url)
+        keepalive = grpcclient.KeepAliveOptions()
+        channel_args = [  # tritonclient's own defaults, which channel_args replaces...
+            ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            # ...and a short reconnect backoff: this server starts before tritonserver listens (or outlives
+            # a restart of it), and gRPC's default backoff grows to two minutes of failing every request.
+            ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        self.client = grpcaio.InferenceServerClient(self.url, channel_args=channel_args)
 
     async def close(self) -> None:
         if self.client is not None:
