@@ -101,7 +101,7 @@ class _Request(BaseModel):
                 _WARNED.add(name)
                 logger.warning("request field %r is not known to this server and is ignored", name)
 
-    def sampling_parameters(self, max_tokens: int | None) -> dict[str, Any]:
+    def _sampling(self, max_tokens: int | None) -> dict[str, Any]:
         """The model's `sampling_parameters` for this request (values not set are left to the model)."""
         params: dict[str, Any] = {name: getattr(self, name) for name in self._PASSED_ON if getattr(self, name) is not None}
         # OpenAI's default temperature is 1 (sampling); the model's is 0 (greedy).
@@ -180,8 +180,8 @@ class CompletionRequest(_Request):
         if self.echo and self.logprobs is not None:
             raise bad_request("echo with logprobs is not supported (the prompt's log-probs: prompt_logprobs)", "echo")
 
-    def sampling_parameters(self, max_tokens: int | None = None) -> dict[str, Any]:
-        params = super().sampling_parameters(self.max_tokens)
+    def sampling_parameters(self) -> dict[str, Any]:
+        params = self._sampling(self.max_tokens)
         if self.best_of is not None:
             params["best_of"] = self.best_of
         if self.logprobs is not None:
@@ -252,10 +252,10 @@ class ChatCompletionRequest(_Request):
                       continue_final_message=self.continue_final_message)
         return kwargs
 
-    def sampling_parameters(self, max_tokens: int | None = None) -> dict[str, Any]:
+    def sampling_parameters(self) -> dict[str, Any]:
         # OpenAI's chat default: no limit but the context (max_model_len).
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        params = super().sampling_parameters(limit)
+        params = self._sampling(limit)
         if self.logprobs:
             params["logprobs"] = self.top_logprobs or 0
         return params

@@ -163,6 +163,7 @@ class TritonBackend:
         self.client: grpcaio.InferenceServerClient | None = None
         self._models: dict[str, ModelInfo] = {}
         self._tokenizers: dict[Path, asyncio.Future] = {}
+        self._folders: dict[str, Path] = {}  # config.pbtxt `model` -> its prepared folder
 
     async def start(self) -> None:
         keepalive = grpcclient.KeepAliveOptions()
@@ -225,7 +226,10 @@ class TritonBackend:
         """The model's tokenizer, loaded once per model folder (the `model` parameter of config.pbtxt)."""
         from tritonllm.models.model_files import resolve_model_dir
 
-        folder = await asyncio.to_thread(resolve_model_dir, model.parameter("model", "default"))
+        name = model.parameter("model", "default")
+        if name not in self._folders:
+            self._folders[name] = await asyncio.to_thread(resolve_model_dir, name)
+        folder = self._folders[name]
         if folder not in self._tokenizers:
             self._tokenizers[folder] = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, folder))
         try:
