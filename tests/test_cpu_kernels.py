@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.devices.cpu import kernels as cpu_kernels
-from tritonllm.layers.attention import AttentionGroup, _decode_group, write_kv
+from tritonllm.layers.attention import _decode_group
+from tritonllm.layers.attention_metadata import AttentionGroup
+from tritonllm.layers.kv_layout import write_kv
 from tritonllm.layers.rotary import RotaryEmbedding, apply_rotary
 
 # Where a compiler exists the kernels must build: a broken build must not hide behind the fallback.

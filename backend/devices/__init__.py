@@ -16,10 +16,19 @@ from tritonllm.engine.config import EngineConfig
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, config: EngineConfig) -> DeviceBackend:
-    """The backend for a model in `dtype` on `device`: our CPU kernels on a CPU, else the torch
-    reference (CUDA and Ascend run it until their own backends exist)."""
+    """The backend for a model in `dtype` on `device`, with that device's options from `config`: our CPU
+    kernels, FlashInfer and decode graphs on CUDA, torch_npu's attention on Ascend; the torch reference
+    on any other device. Each imports its libraries only when chosen."""
     if device.type == "cpu":
         from tritonllm.devices.cpu.backend import CpuBackend
 
         return CpuBackend(config.cpu, dtype, batch_hint=config.scheduler.max_num_seqs)
+    if device.type == "cuda":
+        from tritonllm.devices.cuda.backend import CudaBackend
+
+        return CudaBackend(config, device, dtype)
+    if device.type == "npu":
+        from tritonllm.devices.npu.backend import NpuBackend
+
+        return NpuBackend(config, device, dtype)
     return DeviceBackend()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tritonllm.layers.attention_metadata import AttentionMetadata
+from tritonllm.layers.kv_layout import HEAD_MAJOR
 from tritonllm.runner.step_inputs import MAX_DECODE_GROUPS
 
 
@@ -23,10 +25,22 @@ class DeviceBackend:
     # Whether every row of a step is computed exactly as a one-token decode's row would be, so that a
     # speculative draft's rows give the same tokens and log-probs as decoding one at a time.
     exact_rows = False
+    # How the KV pools are laid out (layers/kv_layout.py), and whether a step's sequences reach attention
+    # as lengths and block tables (`AttentionMetadata.seqs`) rather than groups with masks.
+    kv_layout = HEAD_MAJOR
+    takes_sequences = False
 
     def optimize(self, model: nn.Module) -> nn.Module:
         """Apply the backend's fast paths to a loaded model (in place); returns it."""
         return model
+
+    def capture(self, model: nn.Module, kv_caches, num_window_blocks: int) -> None:
+        """Once the KV pools exist: capture what replays later (a backend's decode graphs)."""
+
+    def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward for one step (a backend may plan its kernels first, or replay a graph)."""
+        return model(input_ids, positions, kv_caches, meta)
 
     def for_worker(self) -> "DeviceBackend":
         """The backend a tensor-parallel rank >= 1 applies (such a rank never computes logits)."""

@@ -171,6 +171,35 @@ class CpuOptions:
 
 
 @dataclass(frozen=True)
+class CudaOptions:
+    """The CUDA backend (devices/cuda/)."""
+
+    # auto: FlashInfer's paged attention where it is installed (`pip install .[cuda]`), else the torch
+    # reference; flashinfer: the same, and the load fails without it; torch: the reference.
+    attention: str = parameter("auto", "cuda_attention")
+    # Pure-decode steps replay CUDA graphs captured at load, one per batch-size bucket, which removes the
+    # per-kernel launch cost that dominates a small model's decode step.
+    graphs: bool = parameter(True, "cuda_graphs")
+    graph_max_batch: int = parameter(0, "cuda_graph_max_batch")  # the largest bucket (0: max_num_seqs)
+
+    def __post_init__(self) -> None:
+        _one_of(self.attention, ("auto", "flashinfer", "torch"), "cuda_attention")
+        _non_negative(self, "graph_max_batch")
+
+
+@dataclass(frozen=True)
+class NpuOptions:
+    """The Ascend backend (devices/npu/)."""
+
+    # auto / torch_npu: torch_npu's fused paged attention (its KV write and fused infer attention score);
+    # torch: the torch reference.
+    attention: str = parameter("auto", "npu_attention")
+
+    def __post_init__(self) -> None:
+        _one_of(self.attention, ("auto", "torch_npu", "torch"), "npu_attention")
+
+
+@dataclass(frozen=True)
 class ServingConfig:
     """How the served model reports on itself."""
 
@@ -193,6 +222,8 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cpu: CpuOptions = field(default_factory=CpuOptions)
+    cuda: CudaOptions = field(default_factory=CudaOptions)
+    npu: NpuOptions = field(default_factory=NpuOptions)
     serving: ServingConfig = field(default_factory=ServingConfig)
 
     @classmethod

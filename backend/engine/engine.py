@@ -19,6 +19,7 @@ from tritonllm.devices import platform
 from tritonllm.engine.config import EngineConfig, SpeculativeConfig
 from tritonllm.engine.detokenizer import IncrementalDetokenizer
 from tritonllm.engine.outputs import CompletionOutput, RequestOutput
+from tritonllm.engine.parameters import ConfigError
 from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
 from tritonllm.engine.sequence import FinishReason, Sequence
 from tritonllm.guided.decoding import Guides
@@ -69,6 +70,10 @@ class Engine:
         self.guides = Guides(self.tokenizer, self.eos_token_ids)
         self.runner = ModelRunner(config, self.model_dir, self.device, self.dtype, self.max_model_len, self.eos_token_ids)
         model, cache = self.runner.model, config.cache
+        if self.runner.backend.takes_sequences and (cache.kv_window or cache.kv_window_ratio):
+            self.runner.close()
+            raise ConfigError(f"kv_window pruning leaves holes in block tables that {self.runner.backend.name}'s "
+                              "paged-attention kernels cannot skip; set its attention parameter to torch")
         if self.runner.num_window_blocks:  # the sliding layers' K/V in a pool of their own
             self.block_manager = WindowPoolBlockManager(self.runner.num_blocks, self.runner.num_window_blocks,
                                                         cache.block_size, model.attention_window,

@@ -17,76 +17,13 @@ runs the same computation through its own kernels (devices/).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-
 from torch import nn
 
+from tritonllm.layers.attention_metadata import AttentionGroup, AttentionMetadata
+from tritonllm.layers.kv_layout import write_kv
 from tritonllm.layers.rotary import apply_rotary
-
-
-@dataclass
-class AttentionGroup:
-    """Sequences attended together: queries padded to [batch, max_q], keys to the table width."""
-
-    block_tables: torch.Tensor  # [batch, max_blocks] int64 (pruned/padding entries point at block 0)
-    mask: torch.Tensor  # [batch, 1, max_q, max_blocks * block_size] bool: True = attend
-    query_index: torch.Tensor | None  # [batch, max_q] rows of the flat token axis (None: decode, one each)
-    output_index: torch.Tensor | None  # flat rows of the [batch * max_q] result that are real tokens
-    token_offset: int  # first flat token row of this group
-    num_tokens: int
-    bias: torch.Tensor | None = None  # decode: mask as 0 / -inf [batch, 1, width], made once per step
-    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # per_token_rows(), made once per step
-
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """The mask as an additive bias for the decode GEMMs, built by the first layer, reused by the rest."""
-        if self.bias is None or self.bias.dtype != dtype:
-            keep = self.mask[:, 0]  # [batch, 1, width]
-            self.bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
-        return self.bias
-
-    def per_token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each real query token as a row of its own: its sequence's block table [tokens, max_blocks]
-        and its causal mask [tokens, width]. Built by the first layer, reused by the rest."""
-        if self.token_rows is None:
-            width = self.mask.shape[-1]
-            if self.query_index is None:  # one sequence
-                tables = self.block_tables.expand(self.num_tokens, -1)
-                mask = self.mask[0, 0, :self.num_tokens]
-            else:  # output_index: the real rows of the padded [batch * max_q] query axis
-                seq = torch.div(self.output_index, self.mask.shape[2], rounding_mode="floor")
-                tables = self.block_tables[seq]
-                mask = self.mask.view(-1, width)[self.output_index]
-            self.token_rows = (tables.contiguous(), mask.contiguous())
-        return self.token_rows
-
-
-@dataclass
-class AttentionMetadata:
-    """Everything attention needs for one step; built once by the model runner, shared by layers."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V go in the pool
-    decode: list[AttentionGroup]  # decodes, split by context length so short ones are not padded to long ones
-    prefill: AttentionGroup | None
-    # (cos, sin), each [num_tokens, 1, head_dim]: looked up once per step by the model, not per layer.
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    # For a model's sliding-window layers: the same step, each group's mask limited to the window (and,
-    # where their K/V have a pool of their own, that pool's slots and block tables: scheduling/window_pool.py).
-    sliding: "AttentionMetadata | None" = None
-    # (cos, sin) as `rope`, for sliding layers that rotate by frequencies of their own (Gemma 3).
-    local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k_cache: [kv_heads, num_blocks, block_size, head_dim]; k: [tokens, kv_heads, head_dim].
-
-    K and V are rounded to the pool's dtype (`kv_cache_dtype`) as they are stored."""
-    kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
-    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, flat_tables: torch.Tensor) -> torch.Tensor:
@@ -176,15 +113,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 class PagedAttention(nn.Module):
     """One layer's attention after its QKV projection: rotary embedding on Q and K, K and V written
-    into the paged pool, then attention over each sequence's blocks.
+    into the paged pool, then attention over each sequence's blocks. This is the torch reference, on a
+    head-major pool; a device backend may turn it into a subclass that does the same through its own
+    kernels (devices/).
 
-    `softcap`: Gemma 2's capped scores (None: plain softmax attention).
+    `window`: a sliding-window layer's window (None: it attends to the whole context). The reference
+    reads it from the step's masks (`AttentionMetadata.sliding`); kernels that take lengths apply it
+    themselves. `softcap`: Gemma 2's capped scores (None: plain softmax attention).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, softcap: float | None = None):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, softcap: float | None = None,
+                 window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale, self.softcap = scale, softcap
+        self.scale, self.softcap, self.window = scale, softcap, window
 
     def forward(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

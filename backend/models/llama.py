@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonllm.layers.attention import AttentionMetadata, PagedAttention
+from tritonllm.layers.attention import PagedAttention
+from tritonllm.layers.attention_metadata import AttentionMetadata
 from tritonllm.layers.norm import RMSNorm
 from tritonllm.layers.rotary import RotaryEmbedding, rope_by_layer_type
 from tritonllm.models.families import (HEAD_NORM_MODEL_TYPES, PROJECTION_NORM_MODEL_TYPES, FamilyVariant, MoeSpec,
@@ -45,7 +46,7 @@ class LlamaAttention(nn.Module):
     """This rank's KV-head groups: column-parallel QKV, row-parallel output projection + all-reduce."""
 
     def __init__(self, cfg, head_dim: int, tp: TPShard, scale: float | None = None, softcap: float | None = None,
-                 sliding: bool = False, local_rope: bool = False):
+                 window: int | None = None, local_rope: bool = False):
         super().__init__()
         kv_start, kv_end = tp.split(cfg.num_key_value_heads)
         per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -53,13 +54,13 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.num_kv_heads * per_kv
         self.head_dim = head_dim
         self.tp = tp
-        self.sliding = sliding  # attends through the step's sliding-window masks (meta.sliding)
+        self.sliding = window is not None  # attends to the last `window` positions (meta.sliding)
         self.local_rope = local_rope  # rotates by the sliding layers' own frequencies (meta.local_rope)
         bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False)) or cfg.model_type == "qwen2"
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim,
-                                   head_dim ** -0.5 if scale is None else scale, softcap)
+                                   head_dim ** -0.5 if scale is None else scale, softcap, window)
         # Qwen3 and Gemma 3 norm each query and key head; OLMo 2 and 3 the whole projections, of which this
         # rank holds its heads' part (`_projection_norm` takes the statistic over every rank's).
         self.projection_norms = cfg.model_type in PROJECTION_NORM_MODEL_TYPES
@@ -85,8 +86,10 @@ class LlamaAttention(nn.Module):
                 qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
                 qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
         rope = meta.local_rope if self.local_rope else meta.rope
-        # A sliding layer's masks, and its slots and block tables where its K/V have a pool of their own.
-        out = self.attn(qkv, rope, kv_cache, meta.sliding if self.sliding else meta)
+        # A sliding layer's masks, and its slots and block tables where its K/V have a pool of their own
+        # (kernels that take lengths apply the window themselves: no such metadata without that pool).
+        layer_meta = meta.sliding if self.sliding and meta.sliding is not None else meta
+        out = self.attn(qkv, rope, kv_cache, layer_meta)
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
 
     def _projection_norm(self, heads: torch.Tensor, norm: RMSNorm, width: int) -> torch.Tensor:
@@ -98,14 +101,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, head_dim: int, tp: TPShard, variant: FamilyVariant, sliding: bool = False,
+    def __init__(self, cfg, head_dim: int, tp: TPShard, variant: FamilyVariant, window: int | None = None,
                  local_rope: bool = False, moe: MoeSpec | None = None):
         super().__init__()
         # OLMo 2 and 3 norm neither the attention's input nor the MLP's: those two are None there.
         pre = variant.input_norms
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
         self.self_attn = LlamaAttention(cfg, head_dim, tp, variant.attention_scale, variant.attention_softcap,
-                                        sliding, local_rope)
+                                        window, local_rope)
         # The norm between the attention's residual add and the MLP (Gemma 2 calls it pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
         self.mlp = GatedMLP(cfg, tp) if moe is None else SparseMoeMLP(cfg, tp, moe)
@@ -168,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         self.window_pool_layers = window_pool_layers(cfg, max_position)  # sliding layers with a pool of their own
         moe = MoeSpec.of(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.head_dim, tp, self.variant, sliding[i] and bool(self.attention_window),
+            LlamaDecoderLayer(cfg, self.head_dim, tp, self.variant, self.attention_window if sliding[i] else None,
                               local_rope=by_type and sliding[i], moe=moe if moe and moe.in_layer(cfg, i) else None)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

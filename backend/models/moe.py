@@ -23,6 +23,11 @@ from tritonllm.models.mlp import GatedMLP
 
 
 class SparseMoeMLP(nn.Module):
+    # Every expert over every token, weighted by its routing weight (zero where the token did not choose
+    # it): more arithmetic, but no count of rows per expert has to reach the host, so an accelerator's
+    # step runs without waiting on it (and can be captured in a graph). Device backends turn it on.
+    dense_routing = False
+
     def __init__(self, cfg, tp: TPShard, spec: MoeSpec):
         super().__init__()
         self.spec = spec
@@ -42,6 +47,8 @@ class SparseMoeMLP(nn.Module):
         return weights.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_routing:
+            return self._forward_dense(x)
         weights, experts = self.route(x)
         k = self.spec.top_k
         order = torch.argsort(experts.flatten(), stable=True)  # the (token, choice) pairs by expert
@@ -54,6 +61,18 @@ class SparseMoeMLP(nn.Module):
                 chosen = rows[start:start + count]
                 out.index_add_(0, chosen, expert(x[chosen]) * pair_weights[start:start + count])
                 start += count
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce(out)
+
+    def _forward_dense(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        # [tokens, num_experts]: each expert's weight for each token, in the order transformers adds them.
+        per_expert = torch.zeros(x.shape[0], self.spec.num_experts, dtype=weights.dtype, device=x.device)
+        per_expert.scatter_add_(1, experts, weights)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out += expert(x) * per_expert[:, e:e + 1]
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)

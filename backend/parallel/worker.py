@@ -42,7 +42,7 @@ def serve(conn: Connection) -> None:
     store = make_store(store_port, spec.world_size, False)
     tp.group = new_process_group(device, spec.rank, spec.world_size, store)
     kv_caches = allocate_kv_pool(model, num_blocks, spec.config.cache.block_size, getattr(torch, spec.kv_cache_dtype),
-                                 device, num_window_blocks)
+                                 device, num_window_blocks, backend.kv_layout)
     logger.info("rank %d ready: %d KV heads, %d blocks of %s on %s", spec.rank, model.num_kv_heads, num_blocks,
                 str(kv_caches[0][0].dtype).removeprefix("torch."), device)
     with torch.inference_mode():
@@ -54,8 +54,8 @@ def serve(conn: Connection) -> None:
             if kind == "stop":
                 break
             step = to_device(host, device)
-            copy_kv_slots(kv_caches, step, model.window_pool_layers if num_window_blocks else None)
-            model(step.input_ids, step.positions, kv_caches, step.meta)
+            copy_kv_slots(kv_caches, step, model.window_pool_layers if num_window_blocks else None, backend.kv_layout)
+            backend.forward(model, step.input_ids, step.positions, kv_caches, step.meta)
 
 
 def main() -> None:

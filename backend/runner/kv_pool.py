@@ -14,6 +14,7 @@ import torch
 
 from tritonllm.devices import platform
 from tritonllm.engine.config import EngineConfig
+from tritonllm.layers.kv_layout import HEAD_MAJOR, pool_shape
 from tritonllm.scheduling.window_pool import window_pool_blocks_per_sequence
 
 
@@ -127,16 +128,16 @@ def _blocks_from_memory(plan: KVPoolPlan, model, config: EngineConfig, device: t
 
 
 def allocate_kv_pool(model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                     num_window_blocks: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K, V), each [kv_heads on this rank, blocks, block_size, head_dim] (head-major: see
-    layers/attention.py): `num_window_blocks` blocks for the layers whose K/V live in the window pool
+                     num_window_blocks: int = 0, layout: str = HEAD_MAJOR) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V), each of this rank's KV heads' blocks laid out as `layout` (layers/kv_layout.py):
+    `num_window_blocks` blocks for the layers whose K/V live in the window pool
     (`model.window_pool_layers`), `num_blocks` for the others.
 
     Zeroed, not empty: attention reads whole blocks, and a NaN left in memory under a masked
     position would still poison the weighted sum (0 * NaN).
     """
     def pool(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (model.num_kv_heads, blocks, block_size, model.head_dim)
+        shape = pool_shape(layout, blocks, block_size, model.num_kv_heads, model.head_dim)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
     in_window_pool = model.window_pool_layers if num_window_blocks else None

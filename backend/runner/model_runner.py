@@ -72,8 +72,9 @@ class ModelRunner:
             self.close()
             raise
         self.kv_caches = allocate_kv_pool(self.model, self.num_blocks, self.block_size, self.kv_dtype, device,
-                                          self.num_window_blocks)
+                                          self.num_window_blocks, self.backend.kv_layout)
         logger.info("KV pool: %s", self.kv_plan.describe(self.kv_dtype, self.model.attention_window))
+        self.backend.capture(self.model, self.kv_caches, self.num_window_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -116,7 +117,8 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
         host, sampled = build_host_step(scheduled, self.block_size, self.backend.max_decode_groups,
-                                        self.model.attention_window, window_pool=bool(self.num_window_blocks))
+                                        self.model.attention_window, window_pool=bool(self.num_window_blocks),
+                                        as_sequences=self.backend.takes_sequences)
         scored = [item for item in scheduled if positions_to_score(item)]
         sampling = SamplingBatch.build(sampled, self.eos_token_ids, self.model.config.vocab_size, self.device)
         return StepInputs(host, to_device(host, self.device), sampled, sampling, scored)
@@ -125,11 +127,11 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
         """Run the step; per sampled row its token id, log-prob (NaN if not asked) and top log-probs (None if not asked)."""
         dev = inputs.device
-        copy_kv_slots(self.kv_caches, dev, self.kv_plan.window_pool_layers)
+        copy_kv_slots(self.kv_caches, dev, self.kv_plan.window_pool_layers, self.backend.kv_layout)
         if self.workers is not None:
             self.workers.broadcast(inputs.host)  # the other ranks start this step while we do
         try:
-            hidden = self.model(dev.input_ids, dev.positions, self.kv_caches, dev.meta)
+            hidden = self.backend.forward(self.model, dev.input_ids, dev.positions, self.kv_caches, dev.meta)
         except RuntimeError as exc:  # a collective failed: say which worker, if one died
             if self.workers is not None:
                 self.workers.explain(exc)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tritonllm.layers.attention import AttentionGroup, AttentionMetadata
+from tritonllm.layers.attention_metadata import AttentionGroup, AttentionMetadata, SequenceBatch
+from tritonllm.layers.kv_layout import HEAD_MAJOR, copy_slots
 from tritonllm.scheduling.block_manager import KVCopy
 from tritonllm.scheduling.scheduler import ScheduledSeq
 
@@ -34,13 +35,25 @@ class HostGroup:
 
 
 @dataclass
+class HostSeqs:
+    """The step's sequences as lengths and block tables (see SequenceBatch), as host arrays."""
+
+    query_start_loc: np.ndarray  # [n + 1] int32
+    seq_lens: np.ndarray  # [n] int32
+    block_table: np.ndarray  # [n, max_blocks] int32
+    num_decodes: int
+    window_block_table: np.ndarray | None = None  # the sliding layers' own pool's tables (window pool)
+
+
+@dataclass
 class HostStep:
     input_ids: np.ndarray  # [num_tokens] int64: decode tokens first, then prompt chunks
     positions: np.ndarray  # [num_tokens] int64
     slot_mapping: np.ndarray  # [num_tokens] int64
     window_slot_mapping: np.ndarray | None  # the same tokens' slots in the sliding layers' own pool, if any
-    decode: list[HostGroup]
+    decode: list[HostGroup]  # empty where the step's sequences travel as `seqs`
     prefill: HostGroup | None
+    seqs: HostSeqs | None  # the step's sequences as lengths and block tables (kernels that take those)
     logits_rows: np.ndarray  # flat token rows whose next token is chosen this step
     # Prefix K/V copied slot to slot (block * block_size + offset) before the forward; empty: none.
     kv_copy_src: np.ndarray
@@ -60,10 +73,13 @@ class DeviceStep:
 
 
 def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_groups: int = MAX_DECODE_GROUPS,
-                    window: int | None = None, window_pool: bool = False) -> tuple[HostStep, list[ScheduledSeq]]:
+                    window: int | None = None, window_pool: bool = False,
+                    as_sequences: bool = False) -> tuple[HostStep, list[ScheduledSeq]]:
     """The step's flat inputs, and the sequences that choose a token (in logits-row order; a sequence
     with a speculative draft once per row of it).
 
+    The sequences go to attention as groups with masks, or (`as_sequences`: the device backend's
+    kernels take lengths and block tables) as `seqs`.
     `max_decode_groups`: the device backend's (1 suits a kernel that skips padding instead of gathering it).
     `window`: the model has sliding-window layers, which attend to each query's last `window`
     positions only; each group then also carries that mask. `window_pool`: their K/V live in a pool
@@ -100,13 +116,31 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_g
         positions=np.concatenate(positions).astype(np.int64),
         slot_mapping=np.concatenate(slots).astype(np.int64),
         window_slot_mapping=np.concatenate(window_slots).astype(np.int64) if window_pool else None,
-        decode=[_group(part, offset, bs, window, window_pool)
-                for part, offset in split_by_length(decodes, bs, max_decode_groups)],
-        prefill=_group(prefills, len(decodes), bs, window, window_pool) if prefills else None,
+        decode=[] if as_sequences else [_group(part, offset, bs, window, window_pool)
+                                        for part, offset in split_by_length(decodes, bs, max_decode_groups)],
+        prefill=_group(prefills, len(decodes), bs, window, window_pool) if prefills and not as_sequences else None,
+        seqs=_sequences(decodes + prefills, len(decodes), bs, window_pool) if as_sequences else None,
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
         **_kv_copy_slots([c for s in scheduled for c in s.kv_copies], bs),
     )
     return host, sampled
+
+
+def _sequences(items: list[ScheduledSeq], num_decodes: int, bs: int, window_pool: bool) -> HostSeqs:
+    q_lens = [it.num_new_tokens for it in items]
+    seq_lens = [it.seq.num_computed_tokens + n for it, n in zip(items, q_lens)]
+    max_blocks = max(-(-n // bs) for n in seq_lens)
+
+    def tables(of) -> np.ndarray:
+        out = np.zeros((len(items), max_blocks), dtype=np.int32)
+        for i, (it, n) in enumerate(zip(items, seq_lens)):
+            row = np.asarray(of(it.seq)[:-(-n // bs)])
+            out[i, :len(row)] = np.maximum(row, 0)  # -1: behind a sliding window, which the kernel skips
+        return out
+
+    return HostSeqs(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), np.asarray(seq_lens, dtype=np.int32),
+                    tables(lambda seq: seq.block_table), num_decodes,
+                    tables(lambda seq: seq.window_block_table) if window_pool else None)
 
 
 def _kv_copy_slots(copies: list[KVCopy], bs: int) -> dict[str, np.ndarray]:
@@ -204,26 +238,33 @@ def to_device(host: HostStep, device: torch.device) -> DeviceStep:
             output_index=None if g.output_index is None else to(g.output_index),
             token_offset=g.token_offset, num_tokens=g.num_tokens)
 
+    def sequences(s: HostSeqs, sliding: bool = False) -> SequenceBatch:
+        tables = s.window_block_table if sliding and s.window_block_table is not None else s.block_table
+        return SequenceBatch(to(s.query_start_loc), to(s.seq_lens), to(tables), s.num_decodes,
+                             s.query_start_loc.tolist(), s.seq_lens.tolist(), tables)
+
     def metadata(sliding: bool = False) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=window_slot_mapping if sliding and window_slot_mapping is not None else slot_mapping,
             decode=[group(g, sliding) for g in host.decode],
             prefill=group(host.prefill, sliding) if host.prefill is not None else None,
+            seqs=sequences(host.seqs, sliding) if host.seqs is not None else None,
         )
 
     slot_mapping = to(host.slot_mapping)
     window_slot_mapping = None if host.window_slot_mapping is None else to(host.window_slot_mapping)
     meta = metadata()
     groups = host.decode + ([host.prefill] if host.prefill is not None else [])
-    if groups and groups[0].window_mask is not None:
+    if (groups and groups[0].window_mask is not None) or window_slot_mapping is not None:
         meta.sliding = metadata(sliding=True)
     kv_copy = (to(host.kv_copy_src), to(host.kv_copy_dst)) if len(host.kv_copy_src) else None
     window_kv_copy = (to(host.window_kv_copy_src), to(host.window_kv_copy_dst)) if len(host.window_kv_copy_src) else None
     return DeviceStep(to(host.input_ids), to(host.positions), meta, to(host.logits_rows), kv_copy, window_kv_copy)
 
 
-def copy_kv_slots(kv_caches, step: DeviceStep, window_pool_layers: list[bool] | None = None) -> None:
-    """Run a step's prefix K/V copies in every layer's pool ([kv_heads, blocks, block_size, head_dim]):
+def copy_kv_slots(kv_caches, step: DeviceStep, window_pool_layers: list[bool] | None = None,
+                  layout: str = HEAD_MAJOR) -> None:
+    """Run a step's prefix K/V copies in every layer's pool (laid out as `layout`, layers/kv_layout.py):
     the window pool's copies in the layers whose K/V live there (`window_pool_layers`), the others'
     in the rest.
 
@@ -236,5 +277,4 @@ def copy_kv_slots(kv_caches, step: DeviceStep, window_pool_layers: list[bool] | 
             continue
         src, dst = copy
         for pool in (k, v):
-            flat = pool.view(pool.shape[0], -1, pool.shape[-1])
-            flat[:, dst] = flat[:, src]
+            copy_slots(pool, src, dst, layout)

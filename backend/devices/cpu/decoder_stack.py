@@ -20,7 +20,7 @@ import torch
 
 from tritonllm.devices.cpu.fused_layers import kernel_calls
 from tritonllm.devices.cpu.packed_linear import PackedLinear, PackedWeight
-from tritonllm.layers.attention import AttentionMetadata
+from tritonllm.layers.attention_metadata import AttentionMetadata
 from tritonllm.models.mlp import GatedMLP
 
 

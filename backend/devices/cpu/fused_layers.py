@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from tritonllm.devices.cpu import kernels
-from tritonllm.layers.attention import AttentionMetadata, PagedAttention, paged_attention
+from tritonllm.layers.attention import PagedAttention, paged_attention
+from tritonllm.layers.attention_metadata import AttentionMetadata
 from tritonllm.layers.norm import RMSNorm
 from tritonllm.models.mlp import GatedMLP
 

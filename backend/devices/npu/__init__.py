@@ -1,0 +1,1 @@
+"""The Ascend backend: torch_npu paged attention (devices/npu/backend.py)."""

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU (or an Ascend NPU): the device backend against transformers on the
+# device, a served stream and a cancelled one on the device's config variant, then the burst and
+# decode-heavy benchmarks beside vLLM's GPU build where it installs. What it shows goes to
+# results/device-check/; record it in docs/DEVICES.md.
+#   bash scripts/device_check.sh            # tests and benchmarks
+#   bash scripts/device_check.sh --tests    # tests only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=results/device-check
+mkdir -p "$out"
+bash scripts/install.sh test
+. .venv/bin/activate
+device=$(python - <<'PY'
+import torch
+try:
+    import torch_npu  # noqa: F401
+    npu = torch.npu.is_available()
+except ImportError:
+    npu = False
+print("npu" if npu else "cuda" if torch.cuda.is_available() else "none")
+PY
+)
+if [ "$device" = none ]; then
+  echo "device_check: no CUDA GPU or Ascend NPU visible to torch here" >&2
+  exit 1
+fi
+if [ "$device" = cuda ]; then
+  nvidia-smi | tee "$out/device.txt"
+  pip install --quiet ".[cuda]" || echo "device_check: flashinfer did not install; the torch reference attention runs" | tee -a "$out/device.txt"
+else
+  npu-smi info | tee "$out/device.txt" || true
+fi
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
+python -m tritonllm.models.model_files >/dev/null
+python -m pytest -v -rs tests/test_devices.py tests/test_attention_layouts.py 2>&1 | tee "$out/tests.log"
+[ "${1:-}" = "--tests" ] && exit 0
+
+vllm_args=()
+if [ "$device" = cuda ]; then
+  # vLLM's GPU build in a venv of its own, beside ours.
+  if [ ! -x "$HOME/.venvs/vllm-gpu/bin/python" ]; then
+    python3 -m venv "$HOME/.venvs/vllm-gpu" && "$HOME/.venvs/vllm-gpu/bin/pip" install --quiet vllm \
+      || echo "device_check: vLLM did not install" | tee -a "$out/device.txt"
+  fi
+  [ -x "$HOME/.venvs/vllm-gpu/bin/python" ] && vllm_args=(--vllm-python "$HOME/.venvs/vllm-gpu/bin/python" --vllm-dtype bfloat16)
+fi
+for scenario in burst seed_replay_saturating; do
+  python bench/compare.py --scenario "loadtest/scenarios/$scenario.yaml" --systems ours,vllm --concurrency none \
+    --decode-steps 0 --ours-config "$device" "${vllm_args[@]}" --out "$out/$scenario" 2>&1 | tee "$out/$scenario.log"
+done

@@ -1,0 +1,99 @@
+"""The accelerator backends on their devices: greedy outputs against transformers on the same device,
+a served stream, cancellation. Skipped, with the reason, where the device is absent;
+`bash scripts/device_check.sh` runs them (and the benchmarks) on a machine that has one."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from prompts import PLAIN_PROMPTS
+
+MAX_NEW = 24
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return torch.npu.is_available()
+
+
+DEVICES = [
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")),
+    pytest.param("npu", marks=pytest.mark.skipif(not _npu_available(), reason="no Ascend NPU (torch_npu) on this machine")),
+]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+def _reference(model_dir, device: str, dtype: torch.dtype, prompt_ids: list[list[int]]):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            got = model.generate(torch.tensor([ids], device=device), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                                 do_sample=False, output_scores=True, return_dict_in_generate=True)
+            tokens = got.sequences[0, len(ids):].tolist()
+            logprobs = [torch.log_softmax(s[0].float(), dim=-1)[t].item() for s, t in zip(got.scores, tokens)]
+            outs.append((tokens, logprobs))
+    del model
+    return outs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_outputs_equal_transformers_on_the_device(device, dtype, model_dir, tokenizer):
+    """Tokens equal, log-probs within 0.5 %: the device backend's attention, KV layout and (on CUDA)
+    decode graphs against transformers' own greedy decoding on the same device and dtype."""
+    from tritonllm.engine.engine import Engine
+
+    prompt_ids = [tokenizer.encode(p) for p in PLAIN_PROMPTS[:4]]
+    engine = Engine(model=str(model_dir), device=device, dtype=dtype, max_num_seqs=8, max_model_len=512,
+                    num_kv_blocks=256)
+    print(f"device backend: {engine.runner.backend.describe()}")
+    got = engine.generate(prompt_token_ids=prompt_ids, params={"max_tokens": MAX_NEW, "ignore_eos": True})
+    engine.close()
+    del engine
+    expected = _reference(model_dir, device, getattr(torch, dtype), prompt_ids)
+    for out, (tokens, logprobs) in zip(got, expected):
+        if dtype == "float32":
+            assert out.token_ids == tokens
+            assert out.logprobs == pytest.approx(logprobs, rel=5e-3, abs=5e-3)
+        else:  # bfloat16: the same up to the first near-tie that rounding may tip
+            same = next((i for i, (a, b) in enumerate(zip(out.token_ids, tokens)) if a != b), MAX_NEW)
+            assert same >= MAX_NEW // 2, (out.token_ids, tokens)
+
+
+def test_a_served_stream_and_a_cancelled_one_on_the_device(device, tmp_path):
+    """The device's config.pbtxt variant (configs/<device>.pbtxt) on a real tritonserver: a stream to its
+    end, and a stream cancelled mid-way whose KV blocks come back."""
+    from conftest import REPO
+    from grpc_stream import StreamClient, make_inputs, metric, scrape, wait_for_kv_blocks_in_use
+    from tritonllm.serving.launcher import TritonServer
+
+    server = TritonServer(REPO / "model_repository", log_path=tmp_path / "tritonserver.log",
+                          extra_args=["--model-control-mode=explicit", "--load-model=smollm2",
+                                      f"--model-config-name={device}"])
+    server.start()
+    try:
+        client = StreamClient(server.grpc_url)
+        client.send("whole", make_inputs("The capital of France is", sampling={"max_tokens": 16, "ignore_eos": True}))
+        whole = client.wait(["whole"])["whole"]
+        assert whole.error is None and whole.num_output_tokens == 16
+        client.send("cut", make_inputs("Count to a thousand:", sampling={"max_tokens": 4000, "ignore_eos": True}))
+        wait_for_kv_blocks_in_use(server.metrics_url, timeout=60)
+        client.close(cancel=True)
+        deadline = time.monotonic() + 30
+        while metric(scrape(server.metrics_url), "llm_kv_cache_blocks", state="used") > 0:
+            assert time.monotonic() < deadline, "the cancelled request's KV blocks were not freed"
+            time.sleep(0.2)
+    finally:
+        server.stop()
