@@ -59,7 +59,7 @@ numpy='numpy<2'
 # What the torch-free modules and the tests below import, and no more (each package costs time);
 # wheels only, so that a missing wheel fails at once instead of building for minutes.
 "$py" -m pip install --quiet --quiet --only-binary=:all: --disable-pip-version-check \
-  "$numpy" pyyaml "tritonclient[grpc]" fastapi uvicorn pytest pytest-timeout vermin==1.9.2
+  "$numpy" pyyaml "tritonclient[grpc,http]" fastapi uvicorn pytest pytest-timeout vermin==1.9.2
 
 step "compileall"
 PYTHONPYCACHEPREFIX="$tmp/pycache" "$py" -m compileall -q backend client tests

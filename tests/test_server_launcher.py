@@ -69,7 +69,7 @@ def test_build_command_binds_loopback_by_default(tmp_path):
     assert build_command(tmp_path, 1, 2, 3, extra_args=["--x=1"])[-1] == "--x=1"
 
 
-def test_main_execs_tritonserver_with_passthrough_args(tmp_path, monkeypatch, capsys):
+def test_main_without_supervision_execs_tritonserver_with_passthrough_args(tmp_path, monkeypatch, capsys):
     try:
         find_pytriton()
     except FileNotFoundError as exc:
@@ -78,7 +78,7 @@ def test_main_execs_tritonserver_with_passthrough_args(tmp_path, monkeypatch, ca
     monkeypatch.setattr(server_module, "check_numpy", lambda: None)
     monkeypatch.setattr(server_module.os, "execvpe", lambda *a: calls.append(a))
     monkeypatch.setenv("TRITONLLM_BACKEND_DIR", str(tmp_path / "backends"))
-    server_module.main(["--model-repository", str(tmp_path), "--no-prepare", "--http-port", "9000",
+    server_module.main(["--model-repository", str(tmp_path), "--no-prepare", "--no-supervise", "--http-port", "9000",
                         "--exit-timeout-secs=5", "--", "--log-info=true"])
     (file, cmd, env), = calls
     assert file == cmd[0] and cmd[0].endswith("tritonserver")

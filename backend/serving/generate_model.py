@@ -31,7 +31,7 @@ from tritonllm.engine.engine import Engine, QueueFullError
 from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
 from tritonllm.engine.outputs import RequestOutput
 from tritonllm.serving.metrics import EngineMetrics
-from tritonllm.serving import orphan_guard
+from tritonllm.serving import engine_health, orphan_guard
 from tritonllm.serving.model_io import GENERATE_INPUTS, GENERATE_OUTPUTS, complete_config, missing_inputs_error
 from tritonllm.serving.request_parsing import parse_request
 from tritonllm.serving.response_assembly import ResponseAssembler
@@ -129,6 +129,7 @@ class TritonPythonModel:
         self._active: dict[str, _Active] = {}
         self._pending: dict[str, _Active] = {}  # streams with n > 1 whose news wait for the step's last output
         self._stopping = threading.Event()
+        self._death_reported = False  # the engine died and the model is unloading itself (engine_health.py)
         self._responder = threading.Thread(target=self._respond_loop, name="tritonllm-responses", daemon=True)
         self._responder.start()
         logger.info("model %s instance %s ready in %.1f s: device=%s dtype=%s kv_blocks=%d (verified paths: cpu)",
@@ -201,6 +202,16 @@ class TritonPythonModel:
                     self.metrics.refresh(self.loop.stats, self.loop.alive)
                 except Exception:  # noqa: BLE001 - metrics must never stop the responses
                     logger.exception("refreshing metrics failed")
+            if self.loop.error is not None and not self._death_reported:
+                # The engine thread ends every request it held with an error (engine_loop.py); the
+                # model must not stay READY refusing everything.
+                self._death_reported = True
+                if self.metrics is not None:  # llm_engine_alive 0 now, not at the next refresh
+                    try:
+                        self.metrics.refresh(self.loop.stats, False)
+                    except Exception:  # noqa: BLE001 - metrics must never stop the responses
+                        logger.exception("refreshing metrics failed")
+                engine_health.report_engine_death(pb_utils, self.model_name, self.instance_name, self.loop.error)
 
     def _handle(self, active: _Active, out: RequestOutput) -> None:
         if out.finished and out.error is None and self.metrics is not None:

@@ -287,9 +287,10 @@ class TritonServer:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`tritonllm-serve`: prepare the default model, then run tritonserver in the foreground.
+    """`tritonllm-serve`: prepare the default model, then serve it on tritonserver, supervised (supervisor.py).
 
-    Arguments it does not know (or everything after `--`) are passed on to tritonserver.
+    Arguments it does not know (or everything after `--`) are passed on to tritonserver. With
+    --no-supervise, tritonserver itself runs in the foreground on the public ports.
     """
     parser = argparse.ArgumentParser(prog="tritonllm-serve", description=main.__doc__.splitlines()[0])
     parser.add_argument("--model-repository", default=str(Path.cwd() / "model_repository"))
@@ -302,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="skip converting the packaged default model before starting")
     parser.add_argument("--openai-port", type=int, default=None,
                         help="also serve the OpenAI-compatible API (tritonllm.openai) on --host at this port")
+    _add_supervision_arguments(parser)
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
 
@@ -324,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cmd = build_command(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
                         host=args.host, backend_dir=assemble_backend_dir(),
                         log_verbose=args.log_verbose, extra_args=extra)
-    print("running:", shlex.join(cmd), flush=True)
+    if args.no_supervise:
+        print("running:", shlex.join(cmd), flush=True)
     print(f"gRPC: {args.host}:{args.grpc_port}   HTTP: {args.host}:{args.http_port}   "
           f"metrics: http://{args.host}:{args.metrics_port}/metrics", flush=True)
     print(f"try:  curl -s -X POST {args.host}:{args.http_port}/v2/models/smollm2/generate_stream "
@@ -333,12 +336,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.openai_port is not None:
         from tritonllm.openai.server import start_server
 
-        # A child process that stops by itself once its parent (tritonserver, after the exec below) is gone.
+        # A child process that stops by itself once its parent is gone (tritonllm-serve; tritonserver after the
+        # exec below with --no-supervise).
         grpc_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         start_server(f"{grpc_host}:{args.grpc_port}", args.host, args.openai_port)
         print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1", flush=True)
-    # exec, not a child: Ctrl-C and signals reach tritonserver directly and logs go to the terminal.
-    os.execvpe(cmd[0], cmd, server_env())
+    if args.no_supervise:
+        # exec, not a child: Ctrl-C and signals reach tritonserver directly and logs go to the terminal.
+        os.execvpe(cmd[0], cmd, server_env())
+    else:
+        _run_supervised(args, extra)
+
+
+def _add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
+    from tritonllm.serving import supervisor
+
+    supervisor.add_arguments(parser)
+
+
+def _run_supervised(args: argparse.Namespace, extra: list[str]) -> None:
+    """tritonserver as a child on private ports, the front on the public ones, until SIGTERM/SIGINT."""
+    from tritonllm.serving import supervisor
+
+    sys.exit(supervisor.run(args, extra))
 
 
 if __name__ == "__main__":

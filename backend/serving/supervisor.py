@@ -1,0 +1,735 @@
+"""`tritonllm-serve`'s supervision: tritonserver as a child on private ports, its models watched and healed.
+
+The launcher starts tritonserver with `--model-control-mode=explicit` on loopback ports of its own,
+loads the repository's models itself through the repository API, and puts the front (front.py) on the
+public ports. From then on it watches, from outside the processes that can die:
+
+- **a model's stub process**: each stub (Triton's per-instance Python process, which holds the engine)
+  is watched through a pidfd, so its exit is seen at once, whatever killed it (an OOM kill, a segfault,
+  `kill -9`). tritonserver itself reports such a model READY for ever and never ends the requests that
+  were in it (front.py says why), so the front ends them, each with an error naming the death;
+- **an engine that died inside a living stub** (an exception in a step, a tensor-parallel worker gone):
+  the model fails its own requests and unloads itself (generate_model.py, engine_health.py), and writes
+  the reason into a folder the supervisor watches (TRITONLLM_HEALTH_DIR); a model found unloaded
+  without an operator asking is treated the same way (the repository index, polled every second);
+- **tritonserver itself**: its exit, or its HTTP endpoint not answering for a minute.
+
+A dead model is unloaded at once (readiness turns false) and loaded again through the repository API
+after a back-off (1 s, doubling up to a minute), the other models untouched. A model that needs more
+than `max_restarts` restarts within `restart_window_s` is marked failed with its last reason and left
+unloaded; an operator's load through the repository API starts it afresh. A tritonserver that died is
+started again the same way, every model with it.
+
+SIGTERM or SIGINT drains: the front refuses new requests and reports not ready, the requests in flight
+get up to `--exit-timeout-secs` to finish and are then ended with an error, tritonserver is stopped
+(killed if it does not exit, as it cannot while a dead stub's requests are open), and the launcher
+exits 0. A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tritonllm.serving import launcher
+from tritonllm.serving.engine_health import HEALTH_DIR_ENV
+
+logger = logging.getLogger("tritonllm.supervisor")
+
+STUB_MARKER = "triton_python_backend_stub"
+INDEX_POLL_S = 1.0
+HEALTH_POLL_S = 0.25
+HUNG_AFTER_S = 60.0  # tritonserver's HTTP endpoint silent this long: killed and started again
+SERVER_STOP_S = 10.0  # after the drain, tritonserver gets this long to exit before it is killed
+LOAD_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class RestartPolicy:
+    max_restarts: int = 5  # automatic restarts of one model (or of tritonserver) ...
+    window_s: float = 600.0  # ... within this many seconds; one more and it is marked failed
+    backoff_initial_s: float = 1.0  # wait before the first restart; doubles with each restart in the window
+    backoff_max_s: float = 60.0
+
+    def backoff(self, recent: int) -> float:
+        return min(self.backoff_max_s, self.backoff_initial_s * (2 ** recent))
+
+
+@dataclass
+class Model:
+    name: str
+    state: str = "loading"  # loading | ready | dead | failed | unloaded (by an operator)
+    reason: str = ""  # why it is not ready, in words for a client
+    stubs: dict[int, str] = field(default_factory=dict)  # stub pid -> instance name
+    retired: set[int] = field(default_factory=set)  # stubs of an earlier load, maybe still finishing their unload
+    restarts: collections.deque = field(default_factory=collections.deque)  # monotonic times of recent restarts
+    restarts_total: int = 0
+    deaths: collections.Counter = field(default_factory=collections.Counter)  # cause -> count
+    died_at: float | None = None
+    zombie: bool = False  # a stub died: tritonserver keeps that version UNLOADING for good
+    task: asyncio.Task | None = None
+
+
+# ---- processes -------------------------------------------------------------------------------------
+def _proc_stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")]
+    except OSError:
+        return []
+
+
+def exit_description(pid: int) -> str:
+    """How a process that has just exited ended, while it is a zombie (its parent has not reaped it)."""
+    fields = _proc_stat(pid)
+    if fields is None or fields[0] != "Z" or len(fields) < 50:
+        return "exited"
+    status = int(fields[49])  # exit_code: the waitpid() status
+    if status & 0x7F:
+        sig = status & 0x7F
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        hint = " (what an OOM kill or kill -9 looks like)" if sig == signal.SIGKILL else (
+            " (a crash)" if sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE) else "")
+        return f"killed by {name}{hint}"
+    return f"exited with code {(status >> 8) & 0xFF}"
+
+
+def stubs_of(server_pid: int, repository: Path, model: str) -> dict[int, str]:
+    """The live stub processes of tritonserver `server_pid` that serve `model`: pid -> instance name."""
+    folder = str(repository / model) + os.sep
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _proc_stat(int(entry))
+        if fields is None or int(fields[1]) != server_pid or fields[0] == "Z":
+            continue
+        args = _cmdline(int(entry))
+        if len(args) < 2 or not args[0].endswith(STUB_MARKER) or not args[1].startswith(folder):
+            continue
+        instance = next((a for a in args[2:] if a.startswith(f"{model}_")), model)
+        found[int(entry)] = instance
+    return found
+
+
+def _set_parent_death_signal() -> None:
+    """In the child before exec: SIGKILL it if the launcher dies, so no tritonserver outlives its front."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+try:
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)  # loaded before any fork: the child only calls it
+except OSError:
+    _LIBC = None
+
+
+class _Watch:
+    """Calls `on_exit()` once when process `pid` exits: a pidfd on the event loop, else polling /proc."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pid: int, on_exit):
+        self.pid, self._on_exit, self._loop = pid, on_exit, loop
+        self._fd = None
+        self._poller = None
+        try:
+            self._fd = os.pidfd_open(pid)
+            loop.add_reader(self._fd, self._fire)
+        except (AttributeError, OSError):
+            self._poller = loop.create_task(self._poll())
+
+    async def _poll(self):
+        while True:
+            fields = _proc_stat(self.pid)
+            if fields is None or fields[0] == "Z":
+                self._fire()
+                return
+            await asyncio.sleep(0.2)
+
+    def _fire(self):
+        cb, self._on_exit = self._on_exit, None
+        self.cancel()
+        if cb is not None:
+            cb()
+
+    def cancel(self):
+        if self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None
+        if self._poller is not None and self._poller is not asyncio.current_task():
+            self._poller.cancel()
+        self._poller = None
+
+
+# ---- the supervisor ----------------------------------------------------------------------------------
+class Supervisor:
+    def __init__(self, model_repository: Path, host: str, http_port: int, grpc_port: int, metrics_port: int | None,
+                 server_args: list[str], models: list[str] | None, policy: RestartPolicy, exit_timeout_s: float,
+                 log_verbose: int = 0):
+        self.repository = model_repository.resolve()
+        self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
+        self.server_args, self.wanted, self.policy = server_args, models, policy
+        self.exit_timeout_s, self.log_verbose = exit_timeout_s, log_verbose
+        self.models: dict[str, Model] = {}
+        self.process: subprocess.Popen | None = None
+        self.phase = "starting"  # starting | serving | draining | stopped
+        self.server_restarts: collections.deque = collections.deque()
+        self._server_watch: _Watch | None = None
+        self._stub_watches: dict[int, _Watch] = {}
+        self._server_generation = 0
+        self._stop = asyncio.Event()
+        self._signals = 0
+        self._health_dir = Path(tempfile.mkdtemp(prefix="tritonllm-health-"))
+        self._tasks: set[asyncio.Task] = set()
+        self.front = None
+        self._session = None
+
+    # -- the front's questions
+    def refusal(self, model: str) -> str | None:
+        if self.phase == "starting" and (self.wanted is None or model in self.wanted):
+            return f"model '{model}' is unavailable: the server is starting (loading models); retry later"
+        m = self.models.get(model)
+        if m is None or m.state in ("ready", "unloaded"):
+            return None
+        return m.reason or f"model '{model}' is unavailable ({m.state}); retry later"
+
+    def model_serving(self, model: str) -> bool:
+        return self.refusal(model) is None
+
+    def server_ready(self) -> bool:
+        return self.phase == "serving" and all(m.state in ("ready", "unloaded") for m in self.models.values())
+
+    def not_ready_reason(self) -> str:
+        if self.phase != "serving":
+            return f"the server is {self.phase}"
+        return "; ".join(m.reason or f"{m.name}: {m.state}" for m in self.models.values()
+                         if m.state not in ("ready", "unloaded")) or "not ready"
+
+    def on_repository(self, model: str, load: bool, ok: bool | None) -> None:
+        """An operator's load or unload through the front (ok None: about to be forwarded)."""
+        m = self.models.setdefault(model, Model(model, state="unloaded"))
+        if m.task is not None and not m.task.done():
+            m.task.cancel()  # the operator decides now
+        if ok is None:
+            self._unwatch(m)
+            m.state, m.reason = ("loading", f"model '{model}' is unavailable: being loaded by an operator") if load \
+                else ("unloaded", "")
+            return
+        if load and ok:
+            m.state, m.reason, m.zombie = "ready", "", False
+            m.restarts.clear()
+            self._watch_stubs(m)
+            logger.info("model %s loaded by an operator through the repository API", model)
+        elif load:
+            m.state, m.reason = "failed", f"model '{model}' is unavailable: an operator's load failed"
+        else:
+            m.state, m.reason = "unloaded", ""
+            logger.info("model %s unloaded by an operator through the repository API; not restarted", model)
+
+    def metrics_text(self) -> str:
+        lines = []
+
+        def family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
+            lines.extend(f"{name}{{{labels}}} {value:g}" if labels else f"{name} {value:g}" for labels, value in samples)
+
+        models = sorted(self.models.values(), key=lambda m: m.name)
+        family("llm_model_ready", "gauge", "1 while the model serves, as tritonllm-serve's supervisor sees it",
+               [(f'model="{m.name}"', 1.0 if self.model_serving(m.name) and self.phase == "serving" else 0.0)
+                for m in models])
+        family("llm_model_failed", "gauge", "1 once the supervisor has given up restarting the model",
+               [(f'model="{m.name}"', 1.0 if m.state == "failed" else 0.0) for m in models])
+        family("llm_model_restarts_total", "counter", "automatic reloads of the model after it died",
+               [(f'model="{m.name}"', float(m.restarts_total)) for m in models])
+        family("llm_model_deaths_total", "counter", "deaths of the model seen by the supervisor, by cause",
+               [(f'model="{m.name}",cause="{c}"', float(m.deaths[c])) for m in models
+                for c in ("stub_died", "engine_died", "unloaded_itself", "server_died")])
+        ended = dict(self.front.inflight.ended) if self.front is not None else {}
+        refused = dict(self.front.refused) if self.front is not None else {}
+        samples = [(f'model="{model}",cause="{cause}"', float(n)) for (model, cause), n in sorted(ended.items())]
+        samples += [(f'model="{model}",cause="refused"', float(n)) for model, n in sorted(refused.items())]
+        family("llm_front_request_errors_total", "counter",
+               "requests tritonllm-serve's front answered with an error itself, by cause", samples)
+        family("llm_server_restarts_total", "counter", "tritonserver restarts after it died or hung",
+               [("", float(self._server_generation - 1 if self._server_generation else 0))])
+        return "\n".join(lines) + "\n"
+
+    # -- tritonserver
+    def _server_command(self) -> tuple[list[str], dict]:
+        self.private = dict(zip(("http", "grpc", "metrics"), launcher._pick_ports(None, None, None)))
+        args = [*self.server_args, "--model-control-mode=explicit", "--strict-readiness=true",
+                # After the front's drain nothing is left in flight but what a dead stub holds: no point waiting.
+                f"--exit-timeout-secs={int(SERVER_STOP_S // 2)}"]
+        cmd = launcher.build_command(self.repository, self.private["http"], self.private["grpc"],
+                                     self.private["metrics"], host="127.0.0.1",
+                                     backend_dir=launcher.assemble_backend_dir(), log_verbose=self.log_verbose,
+                                     extra_args=args)
+        env = launcher.server_env()
+        env[HEALTH_DIR_ENV] = str(self._health_dir)
+        return cmd, env
+
+    async def _start_server(self) -> None:
+        cmd, env = self._server_command()
+        self._server_generation += 1
+        generation = self._server_generation
+        logger.info("starting tritonserver on private ports (HTTP %d, gRPC %d, metrics %d)", self.private["http"],
+                    self.private["grpc"], self.private["metrics"])
+        # Its own session: Ctrl-C on the terminal reaches the launcher, which drains, not tritonserver.
+        self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_set_parent_death_signal if _LIBC is not None else None)
+        self.front.upstream_http = f"127.0.0.1:{self.private['http']}"
+        self.front.upstream_grpc = f"127.0.0.1:{self.private['grpc']}"
+        self.front.upstream_metrics = f"127.0.0.1:{self.private['metrics']}"
+        await self.front.reconnect()
+        loop = asyncio.get_running_loop()
+        self._server_watch = _Watch(loop, self.process.pid, lambda: self._spawn(self._server_exited(generation)))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} while starting")
+            if await self._get_ok("/v2/health/live"):
+                return
+            await asyncio.sleep(0.25)
+        raise RuntimeError("tritonserver did not answer on its HTTP port within 300 s")
+
+    async def _stop_server(self, timeout_s: float = SERVER_STOP_S) -> None:
+        proc = self.process
+        if proc is None:
+            return
+        if self._server_watch is not None:
+            self._server_watch.cancel()
+        stubs = [pid for m in self.models.values() for pid in m.stubs]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if proc.poll() is None:
+                logger.warning("tritonserver did not exit within %.0f s of SIGTERM (requests held by a dead stub "
+                               "keep it waiting): killing it", timeout_s)
+                proc.kill()
+                await asyncio.get_running_loop().run_in_executor(None, proc.wait)
+        for pid in stubs:  # a killed tritonserver leaves its stubs behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for watch in self._stub_watches.values():
+            watch.cancel()
+        self._stub_watches.clear()
+
+    async def _server_exited(self, generation: int) -> None:
+        if generation != self._server_generation or self.phase in ("draining", "stopped"):
+            return
+        code = await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
+        how = f"exited with code {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
+        await self._server_failed(f"tritonserver {how}")
+
+    async def _server_failed(self, why: str) -> None:
+        logger.error("%s; every model's requests in flight end with an error", why)
+        for m in self.models.values():
+            if m.task is not None and not m.task.done():
+                m.task.cancel()
+            if m.state in ("ready", "loading", "dead"):
+                m.deaths["server_died"] += 1
+                m.state, m.reason = "dead", f"model '{m.name}' is unavailable: {why}; the server is being restarted"
+            self._unwatch(m)
+        self.front.fail_all(f"{why}; the request was lost; retry", "server_died")
+        self._prune(self.server_restarts)
+        if len(self.server_restarts) >= self.policy.max_restarts:
+            logger.error("tritonserver needed %d restarts within %.0f s: giving up", len(self.server_restarts),
+                         self.policy.window_s)
+            self.exit_code = 1
+            self._stop.set()
+            return
+        await self._stop_server(timeout_s=5)
+        delay = self.policy.backoff(len(self.server_restarts))
+        logger.info("restarting tritonserver in %.0f s", delay)
+        await asyncio.sleep(delay)
+        self.server_restarts.append(time.monotonic())
+        try:
+            await self._start_server()
+        except Exception as exc:  # noqa: BLE001 - counted as another death, with back-off
+            await self._server_failed(f"tritonserver could not start again ({exc})")
+            return
+        for m in self.models.values():
+            if m.state == "dead":
+                m.zombie = False
+                self._spawn_reload(m, "the server restarted")
+
+    # -- HTTP to tritonserver
+    async def _get_ok(self, path: str, timeout: float = 5) -> bool:
+        import aiohttp
+
+        try:
+            async with self._session.get(f"http://127.0.0.1:{self.private['http']}{path}",
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def _post(self, path: str, timeout: float) -> tuple[int, str]:
+        import aiohttp
+
+        try:
+            async with self._session.post(f"http://127.0.0.1:{self.private['http']}{path}", data=b"{}",
+                                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                return r.status, (await r.read()).decode(errors="replace")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return 0, f"{type(exc).__name__}: {exc}"
+
+    async def _load(self, model: str) -> str | None:
+        """Load `model` (blocks until loaded or failed): None, or the error."""
+        status, body = await self._post(f"/v2/repository/models/{model}/load", LOAD_TIMEOUT_S)
+        if status == 200:
+            return None
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            body = json.loads(body).get("error", body)
+        return body or f"HTTP {status}"
+
+    async def _index(self) -> dict[str, dict] | None:
+        status, body = await self._post("/v2/repository/index", 10)
+        if status != 200:
+            return None
+        with contextlib.suppress(ValueError):
+            return {e["name"]: e for e in json.loads(body)}
+        return None
+
+    # -- watching models
+    def _watch_stubs(self, m: Model) -> None:
+        if self.process is None:
+            return
+        m.retired = {pid for pid in m.retired if os.path.exists(f"/proc/{pid}")}
+        m.stubs = {pid: instance for pid, instance in stubs_of(self.process.pid, self.repository, m.name).items()
+                   if pid not in m.retired}
+        loop = asyncio.get_running_loop()
+        for pid, instance in m.stubs.items():
+            if pid not in self._stub_watches:
+                self._stub_watches[pid] = _Watch(loop, pid, lambda pid=pid, instance=instance, name=m.name:
+                                                 self._stub_exited(name, pid, instance))
+        if not m.stubs:
+            logger.warning("model %s: no stub process found to watch; only the repository index tells its death", m.name)
+
+    def _unwatch(self, m: Model) -> None:
+        for pid in m.stubs:
+            watch = self._stub_watches.pop(pid, None)
+            if watch is not None:
+                watch.cancel()
+
+    def _stub_exited(self, model: str, pid: int, instance: str) -> None:
+        self._stub_watches.pop(pid, None)
+        m = self.models.get(model)
+        if m is None or pid not in m.stubs or m.state != "ready" or self.phase != "serving":
+            return  # an unload we asked for, or the server going away
+        how = exit_description(pid)
+        detail = f"its stub process (pid {pid}, instance {instance}) died, {how}"
+        m.zombie = True
+        self._model_died(m, "stub_died", detail)
+
+    def _model_died(self, m: Model, cause: str, detail: str) -> None:
+        m.deaths[cause] += 1
+        m.state, m.died_at = "dead", time.monotonic()
+        m.reason = f"model '{m.name}' is unavailable: {detail}; it is being reloaded"
+        ended = self.front.fail_model(m.name, f"model '{m.name}' is unavailable: {detail}; the request was lost "
+                                              "in it. The model is being reloaded; retry.", "model_died")
+        logger.error("model %s: %s; %d request(s) in flight ended with an error; readiness is false until it "
+                     "is back", m.name, detail, ended)
+        self._spawn_reload(m, detail)
+
+    def _spawn_reload(self, m: Model, cause: str) -> None:
+        if m.task is not None and not m.task.done():
+            return
+        m.task = self._spawn(self._reload(m, cause))
+
+    async def _reload(self, m: Model, cause: str) -> None:
+        # Unloaded at once: tritonserver's own readiness turns false too, and its other stubs stop.
+        await self._post(f"/v2/repository/models/{m.name}/unload", 30)
+        if m.zombie:
+            # That version never finishes unloading (its dead stub holds requests): its living stubs
+            # would keep their weights and KV pools for good, so they go now. Their requests ended above.
+            for pid in list(m.stubs):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self._unwatch(m)
+        m.retired.update(m.stubs)
+        m.stubs = {}
+        while True:
+            self._prune(m.restarts)
+            if len(m.restarts) >= self.policy.max_restarts:
+                m.state = "failed"
+                m.reason = (f"model '{m.name}' has failed and is not restarted again: {len(m.restarts)} restarts "
+                            f"within {self.policy.window_s:.0f} s, the last after: {cause}. Load it through the "
+                            "repository API to try again")
+                logger.error("%s", m.reason)
+                return
+            delay = self.policy.backoff(len(m.restarts))
+            await asyncio.sleep(delay)
+            if not m.zombie:
+                # Its finalize frees the old engine's memory first; bounded, as tritonserver also waits
+                # for the streams that carried requests to it.
+                await self._wait_unloaded(m.name, 30)
+            m.restarts.append(time.monotonic())
+            m.restarts_total += 1
+            attempt = len(m.restarts)
+            m.state = "loading"
+            m.reason = (f"model '{m.name}' is unavailable: reloading after {cause} (restart {attempt} of at most "
+                        f"{self.policy.max_restarts} in {self.policy.window_s:.0f} s); retry later")
+            logger.warning("model %s: restart %d (of at most %d within %.0f s) after a %.1f s back-off, because "
+                           "%s", m.name, attempt, self.policy.max_restarts, self.policy.window_s, delay, cause)
+            started = time.monotonic()
+            error = await self._load(m.name)
+            if error is None:
+                m.state, m.reason, m.zombie = "ready", "", False
+                self._watch_stubs(m)
+                since = time.monotonic() - m.died_at if m.died_at else 0.0
+                logger.info("model %s serves again: loaded in %.1f s, %.1f s after it died", m.name,
+                            time.monotonic() - started, since)
+                return
+            logger.error("model %s: reload failed: %s", m.name, error)
+            cause = f"a failed reload ({error})"
+
+    async def _wait_unloaded(self, model: str, timeout_s: float) -> None:
+        """Until tritonserver has finished unloading `model` (its finalize ran), bounded."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            index = await self._index()
+            if index is not None and index.get(model, {}).get("state") != "UNLOADING":
+                return
+            await asyncio.sleep(0.5)
+
+    def _prune(self, times: collections.deque) -> None:
+        while times and time.monotonic() - times[0] > self.policy.window_s:
+            times.popleft()
+
+    async def _poll_index(self) -> None:
+        """Models that left READY without anyone asking (they unloaded themselves); tritonserver hung."""
+        silent_since = None
+        while True:
+            await asyncio.sleep(INDEX_POLL_S)
+            if self.phase != "serving" or self.process is None or self.process.poll() is not None:
+                silent_since = None
+                continue
+            generation = self._server_generation
+            index = await self._index()
+            if generation != self._server_generation:
+                continue
+            if index is None:
+                silent_since = silent_since or time.monotonic()
+                if time.monotonic() - silent_since > HUNG_AFTER_S:
+                    silent_since = None
+                    with contextlib.suppress(ProcessLookupError):
+                        self.process.kill()  # its exit is seen by the watch, which restarts it
+                    logger.error("tritonserver has not answered for %.0f s: killed", HUNG_AFTER_S)
+                continue
+            silent_since = None
+            for m in list(self.models.values()):
+                state = index.get(m.name, {}).get("state")
+                if m.state == "ready" and state != "READY":
+                    reason = self._health_reason(m.name) or "the engine stopped"
+                    self._model_died(m, "unloaded_itself", f"it unloaded itself ({reason})")
+
+    def _health_reason(self, model: str) -> str | None:
+        for path in sorted((self._health_dir / model).glob("*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                report = json.loads(path.read_text())
+                path.unlink()
+                return f"instance {report.get('instance')}, pid {report.get('pid')}: {report.get('reason')}"
+        return None
+
+    async def _poll_health(self) -> None:
+        """Engine deaths the models report (engine_health.py): handled before they finish unloading."""
+        while True:
+            await asyncio.sleep(HEALTH_POLL_S)
+            if self.phase != "serving":
+                continue
+            for m in list(self.models.values()):
+                if m.state == "ready" and any((self._health_dir / m.name).glob("*.json")):
+                    reason = self._health_reason(m.name)
+                    self._model_died(m, "engine_died", f"its engine died ({reason})")
+
+    # -- life
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("supervisor task failed", exc_info=task.exception())
+
+    def _on_signal(self, signum: int) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            logger.info("%s: draining (new requests refused; up to %.0f s for those in flight; signal again to "
+                        "stop at once)", signal.Signals(signum).name, self.exit_timeout_s)
+            self._stop.set()
+        else:
+            logger.warning("%s again: ending the requests in flight now", signal.Signals(signum).name)
+            if self.front is not None:
+                self.front.inflight.changed.set()
+
+    async def run(self) -> int:
+        import aiohttp
+
+        from tritonllm.serving.front import Front, Policy
+
+        self.exit_code = 0
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        self._session = aiohttp.ClientSession()
+        policy = Policy(refusal=self.refusal, server_ready=self.server_ready, model_serving=self.model_serving,
+                        on_repository=self.on_repository, not_ready_reason=self.not_ready_reason,
+                        extra_metrics=self.metrics_text)
+        self.front = Front(None, None, None, policy, self.host, self.http_port, self.grpc_port, self.metrics_port)
+        try:
+            await self.front.start()
+            logger.info("front listening on %s: HTTP %d, gRPC %d, metrics %s", self.host, self.http_port,
+                        self.grpc_port, self.metrics_port)
+            await self._start_server()
+            if not await self._load_all():
+                self.exit_code = 1
+                return 1
+            self.phase = "serving"
+            logger.info("serving: %s", ", ".join(sorted(self.models)))
+            self._spawn(self._poll_index())
+            self._spawn(self._poll_health())
+            await self._stop.wait()
+            if self.exit_code == 0:
+                await self._drain()
+            return self.exit_code
+        except Exception as exc:  # noqa: BLE001 - a start that cannot go on: one clear line, exit 1
+            logger.error("%s", exc)
+            return 1
+        finally:
+            self.phase = "stopped"
+            for task in list(self._tasks):
+                task.cancel()
+            # The front first: tritonserver waits (up to its exit timeout) for open HTTP connections,
+            # the front's own keep-alive ones to it included, before it unloads anything.
+            if self.front is not None:
+                await self.front.stop()
+            await self._session.close()
+            await self._stop_server()
+            shutil.rmtree(self._health_dir, ignore_errors=True)
+
+    async def _load_all(self) -> bool:
+        names = self.wanted
+        if names is None:
+            index = await self._index() or {}
+            names = sorted(index)
+        for name in names:
+            self.models[name] = Model(name, reason=f"model '{name}' is unavailable: loading; retry later")
+        logger.info("loading %s", ", ".join(names) or "no models")
+        errors = await asyncio.gather(*(self._load(n) for n in names))
+        failed = [(n, e) for n, e in zip(names, errors) if e is not None]
+        for name, error in failed:
+            logger.error("model %s failed to load: %s", name, error)
+        if failed:
+            return False
+        for name in names:
+            m = self.models[name]
+            m.state, m.reason = "ready", ""
+            self._watch_stubs(m)
+        return True
+
+    async def _drain(self) -> None:
+        self.phase = "draining"
+        self.front.draining = True
+        inflight = self.front.inflight
+        logger.info("draining: %d request(s) in flight", inflight.count())
+        deadline = time.monotonic() + self.exit_timeout_s
+        while inflight.count() and self._signals < 2 and time.monotonic() < deadline:
+            inflight.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(inflight.changed.wait(), timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        left = self.front.fail_all(f"the server is shutting down: the request did not finish within the exit timeout "
+                                   f"({self.exit_timeout_s:g} s); retry on another replica", "shutdown")
+        logger.info("drained%s; stopping tritonserver", f": {left} request(s) ended with an error" if left else "")
+
+
+# ---- command line ------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("supervision (tritonllm-serve runs tritonserver as its child, behind a front)")
+    group.add_argument("--no-supervise", action="store_true",
+                       help="exec tritonserver directly on the public ports: no front, no health watch, no restarts")
+    group.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
+                       help="automatic restarts of a model within --restart-window before it is marked failed")
+    group.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS")
+    group.add_argument("--restart-backoff", type=float, default=RestartPolicy.backoff_initial_s, metavar="SECONDS",
+                       help="wait before a model's first restart; doubles with each restart in the window, up to 60 s")
+
+
+def split_server_args(extra: list[str]) -> tuple[list[str], list[str] | None, float, str | None]:
+    """(tritonserver's own arguments, models to load or None for all, exit timeout, a refusal or None).
+
+    `--load-model` and `--exit-timeout-secs` are the launcher's to act on; another model control mode
+    cannot be supervised.
+    """
+    rest, models, exit_timeout = [], [], 30.0
+    it = iter(extra)
+    for arg in it:
+        key, eq, value = arg.partition("=")
+        if key in ("--load-model", "--exit-timeout-secs", "--model-control-mode") and not eq:
+            value = next(it, "")
+        if key == "--load-model":
+            models.append(value)
+        elif key == "--exit-timeout-secs":
+            exit_timeout = float(value)
+        elif key == "--model-control-mode":
+            if value != "explicit":
+                return [], None, exit_timeout, (f"--model-control-mode={value} cannot be supervised (models are "
+                                                "loaded and reloaded through the repository API); use --no-supervise")
+        else:
+            rest.append(arg)
+    return rest, (models or None), exit_timeout, None
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    """Serve under supervision until a signal; the exit code."""
+    try:
+        import aiohttp  # noqa: F401
+        import grpc  # noqa: F401
+        from tritonclient.grpc import service_pb2  # noqa: F401
+    except ImportError as exc:
+        print(f"tritonllm-serve: the front needs tritonclient[grpc,http] ({exc}): pip install 'tritonclient[grpc,http]', "
+              "or run with --no-supervise", flush=True)
+        return 1
+    server_args, models, exit_timeout, refusal = split_server_args(extra)
+    if refusal is not None:
+        print(f"tritonllm-serve: {refusal}", flush=True)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s tritonllm-serve %(levelname)s: %(message)s")
+    metrics_port = None if any(a.replace(" ", "") in ("--allow-metrics=false", "--allow-metrics=0") for a in server_args) \
+        else args.metrics_port
+    policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
+                           backoff_initial_s=args.restart_backoff)
+    supervisor = Supervisor(Path(args.model_repository), args.host, args.http_port, args.grpc_port, metrics_port,
+                            server_args, models, policy, exit_timeout, args.log_verbose)
+    return asyncio.run(supervisor.run())

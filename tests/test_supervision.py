@@ -1,0 +1,291 @@
+"""Chaos under `tritonllm-serve` (what `bash scripts/serve.sh` runs): real tritonservers, real tritonclient streams.
+
+A model's stub process killed mid-stream, a burst cut by a kill, a tensor-parallel worker killed
+mid-stream, a model whose reload keeps failing, and shutdowns (SIGTERM drain, SIGINT with a dead stub).
+Each checks what the supervisor promises (docs/OPERATIONS.md): the death is seen within 5 s; every
+request in flight gets exactly one terminal event, an error naming the death, within 10 s; readiness
+is false until the model is back; the model is reloaded by itself; minilm, beside it, is untouched.
+
+The servers run smollm2 with a quick-loading configuration (supervised.FAST): these tests reload it
+on purpose, and a reload is a full model load.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
+from supervised import (FAST, EmbeddingTraffic, StreamProbe, Supervised, embed, generate_inputs, get, make_repository,
+                        vector_ok, wait_streaming)
+
+pytestmark = pytest.mark.server
+
+PROMPTS = PLAIN_PROMPTS[:4] + CHAT_PROMPTS[:4]
+TERMINAL_S = 10.0  # each request in flight ends within this long of the death
+DETECT_S = 5.0  # readiness turns false within this long
+BACK_S = 300.0  # generous: a reload is a model load, and this machine is shared
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("supervised")
+    server = Supervised(make_repository(root / "repo", **FAST), root / "serve.log",
+                        "--max-restarts", "4", "--restart-backoff", "0.5")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _wait_running(server, n: int, timeout: float = 60) -> None:
+    """Until the engine holds `n` requests (the gauges refresh twice a second)."""
+    deadline = time.monotonic() + timeout
+    while server.metric("llm_requests", model="smollm2", state="running") < n:
+        assert time.monotonic() < deadline, f"fewer than {n} requests running"
+        time.sleep(0.1)
+
+
+def _assert_not_ready_within(server, started: float) -> None:
+    while server.ready("smollm2") or server.ready():
+        assert time.monotonic() - started < DETECT_S, "still ready after the death"
+        time.sleep(0.05)
+
+
+def _assert_one_terminal(probes: list[StreamProbe]) -> None:
+    bad = {p.request_id: (p.finals, p.errors, p.late) for p in probes if p.finals + len(p.errors) != 1 or p.late}
+    assert not bad, f"not exactly one FINAL or error (finals, errors, late events): {bad}"
+
+
+def _serves(server, max_tokens: int = 4) -> None:
+    p = StreamProbe(server.grpc_url, "check", generate_inputs("The capital of France is", max_tokens))
+    try:
+        assert p.done.wait(120), "no answer"
+        assert p.error is None and p.finals == 1 and p.responses >= 1, p.errors
+    finally:
+        p.close()
+
+
+def test_a_killed_stub_ends_its_requests_at_once_and_the_model_comes_back(served):
+    (stub,) = served.stubs("smollm2")
+    minilm = served.stubs("minilm")
+    restarts = served.metric("llm_model_restarts_total", model="smollm2")
+    bystander = EmbeddingTraffic(served.http)
+    probes = [StreamProbe(served.grpc_url, f"stream{i}", generate_inputs(PLAIN_PROMPTS[i], 2000)) for i in range(2)]
+    probes.append(StreamProbe(served.grpc_url, "whole", generate_inputs(PLAIN_PROMPTS[2], 2000, stream=False)))
+    try:
+        wait_streaming(probes[:2])
+        _wait_running(served, 3)
+        os.kill(stub, signal.SIGKILL)
+        killed = time.monotonic()
+        for p in probes:
+            assert p.done.wait(TERMINAL_S + 5), f"{p.request_id}: no error after the stub died"
+        _assert_one_terminal(probes)
+        for p in probes:
+            assert p.ended_at - killed < TERMINAL_S, p.ended_at - killed
+            assert "unavailable" in p.error and f"stub process (pid {stub}" in p.error and "SIGKILL" in p.error, p.error
+        _assert_not_ready_within(served, killed)
+        status, body = get(served.http + "/v2/models/smollm2/ready")
+        assert status == 503 and "died" in body, (status, body)
+        # The gauge the dead stub set stays at 1 in tritonserver; the front reports the truth.
+        assert served.metric("llm_engine_alive", model="smollm2") == 0
+        assert served.metric("llm_model_ready", model="smollm2") == 0
+        refused = StreamProbe(served.grpc_url, "meanwhile", generate_inputs("Hello", 4))
+        assert refused.done.wait(10) and refused.error and "unavailable" in refused.error, refused.errors
+        refused.close()
+        took = served.wait_ready("smollm2", BACK_S)
+        assert served.ready()
+        _serves(served)
+        assert all(p.close() for p in probes), "a stream did not close after its error"
+    finally:
+        outcomes = bystander.stop()
+        for p in probes:
+            p.close(timeout=1)
+    print(f"smollm2 back {took:.1f} s after the kill")
+    assert served.metric("llm_model_restarts_total", model="smollm2") == restarts + 1
+    assert served.metric("llm_model_ready", model="smollm2") == 1
+    assert "killed by SIGKILL" in served.log_text() and "serves again" in served.log_text()
+    # minilm, beside it: the same stub, every request answered.
+    assert served.stubs("minilm") == minilm
+    assert outcomes and all(status == 200 and vector_ok(body) for status, body in outcomes), \
+        [o for o in outcomes if o[0] != 200][:3]
+
+
+def test_kill_and_restart_during_a_burst(served):
+    (stub,) = served.stubs("smollm2")
+    lengths = [16, 48, 400, 2000]
+    probes = [StreamProbe(served.grpc_url, f"burst{i}", generate_inputs(f"{PROMPTS[i % len(PROMPTS)]} ({i})",
+                                                                         lengths[i % 4], stream=i % 4 != 3))
+              for i in range(16)]
+    try:
+        _wait_running(served, 8)
+        os.kill(stub, signal.SIGKILL)
+        killed = time.monotonic()
+        for p in probes:
+            assert p.done.wait(TERMINAL_S + 5), f"{p.request_id} hung after the kill"
+        _assert_one_terminal(probes)
+        failed = [p for p in probes if p.errors]
+        assert len(failed) >= 4, "the kill cut too few requests to mean anything"
+        for p in failed:
+            assert p.ended_at - killed < TERMINAL_S and "stub process" in p.error, (p.ended_at - killed, p.error)
+        assert all(p.ended_at < killed + 1 for p in probes if p.finals)  # finished before the kill, not after
+        _assert_not_ready_within(served, killed)
+        served.wait_ready("smollm2", BACK_S)
+    finally:
+        for p in probes:
+            p.close(timeout=2)
+    again = [StreamProbe(served.grpc_url, f"again{i}", generate_inputs(PROMPTS[i], 16, stream=bool(i % 2)))
+             for i in range(8)]
+    try:
+        for p in again:
+            assert p.done.wait(180), f"{p.request_id}: no answer after the restart"
+        _assert_one_terminal(again)
+        assert all(p.error is None for p in again), [p.error for p in again]
+    finally:
+        for p in again:
+            p.close()
+
+
+def test_a_model_that_keeps_failing_to_load_is_marked_failed_with_the_reason(served):
+    config = served.repository / "smollm2" / "config.pbtxt"
+    original = config.read_text()
+    broken, found = re.subn(r'key: "max_num_seqs", value: \{ string_value: "[^"]*"', 'key: "max_num_seqs", value: '
+                            '{ string_value: "many"', original)
+    assert found == 1
+    config.write_text(broken)
+    try:
+        (stub,) = served.stubs("smollm2")
+        os.kill(stub, signal.SIGKILL)
+        deadline = time.monotonic() + BACK_S
+        while served.metric("llm_model_failed", model="smollm2") != 1:
+            assert time.monotonic() < deadline, "never marked failed:\n" + served.log_text()[-3000:]
+            time.sleep(0.5)
+        status, body = get(served.http + "/v2/models/smollm2/ready")
+        assert status == 503 and "has failed" in body and "max_num_seqs" in body, body
+        assert get(served.http + "/v2/health/ready")[0] == 503
+        assert "not restarted again" in served.log_text()
+        restarts = served.metric("llm_model_restarts_total", model="smollm2")
+        time.sleep(3)  # nothing more is tried
+        assert served.metric("llm_model_restarts_total", model="smollm2") == restarts
+        assert embed(served.http)[0] == 200  # minilm serves on
+    finally:
+        config.write_text(original)
+    # An operator's load through the repository API starts it afresh.
+    status, body = get(served.http + "/v2/repository/models/smollm2/load", "POST", b"{}", timeout=BACK_S)
+    assert status == 200, body
+    assert served.ready("smollm2") and served.ready()
+    assert served.metric("llm_model_failed", model="smollm2") == 0
+    _serves(served)
+
+
+def test_sigint_with_a_dead_stub_exits_0_without_hanging(served):
+    # Runs last in this module: it ends the server. The dead stub's version never finishes unloading
+    # in tritonserver, which on its own would hang at exit.
+    (stub,) = served.stubs("smollm2")
+    server_pid = served.server_pid()
+    probe = StreamProbe(served.grpc_url, "last", generate_inputs(PLAIN_PROMPTS[0], 2000))
+    wait_streaming([probe])
+    os.kill(stub, signal.SIGKILL)
+    assert probe.done.wait(TERMINAL_S) and probe.error, probe.errors
+    served.signal(signal.SIGINT)
+    started = time.monotonic()
+    assert served.wait(60) == 0
+    print(f"exited {time.monotonic() - started:.1f} s after SIGINT")
+    assert probe.close(timeout=5)
+    deadline = time.monotonic() + 15  # the orphan guards end stubs a killed tritonserver leaves
+    while os.path.exists(f"/proc/{server_pid}") or served_stubs_alive(served):
+        assert time.monotonic() < deadline, "tritonserver or a stub outlived tritonllm-serve"
+        time.sleep(0.2)
+
+
+def served_stubs_alive(served) -> bool:
+    folder = str(served.repository.resolve())
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1].decode().startswith(folder):
+                return True
+    return False
+
+
+# ---- a tensor-parallel worker ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tp_served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("supervised-tp")
+    server = Supervised(make_repository(root / "repo", with_minilm=False, tensor_parallel_size=2, **FAST),
+                        root / "serve.log", "--restart-backoff", "0.5")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_killed_tensor_parallel_worker_fails_its_requests_and_the_model_comes_back(tp_served):
+    (worker,) = tp_served.tp_workers()
+    probes = [StreamProbe(tp_served.grpc_url, f"tp{i}", generate_inputs(PLAIN_PROMPTS[i], 2000)) for i in range(2)]
+    try:
+        wait_streaming(probes)
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        for p in probes:
+            assert p.done.wait(TERMINAL_S + 5), f"{p.request_id} hung after the worker died"
+        _assert_one_terminal(probes)
+        for p in probes:
+            assert p.ended_at - killed < TERMINAL_S and "worker rank 1" in p.error, (p.ended_at - killed, p.error)
+        _assert_not_ready_within(tp_served, killed)
+        took = tp_served.wait_ready("smollm2", BACK_S)
+        _serves(tp_served)
+        assert all(p.close() for p in probes)
+    finally:
+        for p in probes:
+            p.close(timeout=1)
+    print(f"smollm2 (2 ranks) back {took:.1f} s after the worker was killed")
+    assert len(tp_served.tp_workers()) == 1 and tp_served.tp_workers() != [worker]
+    log = tp_served.log_text()
+    assert "worker rank 1" in log and "engine died" in log and "serves again" in log
+    assert tp_served.metric("llm_model_restarts_total", model="smollm2") == 1
+
+
+# ---- drain -------------------------------------------------------------------------------------------
+def test_sigterm_lets_requests_finish_refuses_new_ones_and_exits_0(tmp_path):
+    # The short request has time to finish even at a token a second (a loaded 2-core machine); the
+    # long one cannot, even at a few hundred tokens a second (an idle one).
+    exit_timeout = 30
+    long_context = {**FAST, "max_model_len": 8192, "num_kv_blocks": 600}
+    server = Supervised(make_repository(tmp_path / "repo", with_minilm=False, **long_context), tmp_path / "serve.log",
+                        f"--exit-timeout-secs={exit_timeout}")
+    server.start()
+    short = long = None
+    try:
+        short = StreamProbe(server.grpc_url, "short", generate_inputs(PLAIN_PROMPTS[0], 6))
+        long = StreamProbe(server.grpc_url, "long", generate_inputs(PLAIN_PROMPTS[1], 8000))
+        wait_streaming([short, long])
+        server.signal(signal.SIGTERM)
+        started = time.monotonic()
+        deadline = started + 5
+        while get(server.http + "/v2/health/ready", timeout=2)[0] != 503:
+            assert time.monotonic() < deadline, "still ready while draining"
+            time.sleep(0.05)
+        refused = StreamProbe(server.grpc_url, "late", generate_inputs("Hello", 4))
+        assert refused.done.wait(10) and refused.error and "shutting down" in refused.error, refused.errors
+        assert short.done.wait(exit_timeout) and short.error is None and short.finals == 1, short.errors
+        assert short.close(timeout=5)  # as a client does after the final response, before the server is gone
+        assert long.done.wait(exit_timeout + 10), "the long request was not ended at the exit timeout"
+        assert long.error and "exit timeout" in long.error, long.error
+        assert exit_timeout - 1 <= long.ended_at - started < exit_timeout + 10
+        assert long.close(timeout=5)
+        assert server.wait(60) == 0
+        _assert_one_terminal([short, long])
+    finally:
+        if server.process.poll() is None:
+            server.kill()
