@@ -365,7 +365,7 @@ def test_curl_streams_server_sent_events_and_gets_json(served):
     out = subprocess.run([curl, "-sN", "--max-time", "600", f"{served.base}/v1/chat/completions", "-d", body],
                          capture_output=True, text=True, timeout=660, check=True).stdout
     events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and len(events) >= 4
+    assert events and events[-1] == "[DONE]" and len(events) >= 4, out
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert "Paris" in "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])

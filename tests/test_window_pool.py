@@ -201,8 +201,8 @@ def test_the_memory_the_window_pool_saves_goes_to_the_full_layers(gemma3):
     folder, _ = gemma3
     config = EngineConfig.from_parameters(model=str(folder), kv_cache_max_bytes=8 << 20, max_model_len=256, max_num_seqs=4,
                           max_num_batched_tokens=64, warmup=False)
-    one_pool = Engine(config.with_parameters(window_pool=False)).runner
-    two_pools = Engine(config).runner
+    one_pool = Engine(config.with_parameters(window_pool=False)).runner.kv_plan
+    two_pools = Engine(config).runner.kv_plan
     assert one_pool.num_window_blocks == 0 and two_pools.num_window_blocks == 4 * 8
     assert two_pools.kv_bytes_per_token == two_pools.window_kv_bytes_per_token == one_pool.kv_bytes_per_token // 2
     bytes_used = lambda r: r.block_size * (r.num_blocks * r.kv_bytes_per_token + r.num_window_blocks * r.window_kv_bytes_per_token)

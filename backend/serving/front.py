@@ -142,9 +142,13 @@ def _forwarded_metadata(context) -> tuple:
 class _Stream:
     """One client's ModelStreamInfer call: its requests in flight, by (model, id)."""
 
-    def __init__(self, inflight: Inflight, out: asyncio.Queue):
+    def __init__(self, inflight: Inflight, out: asyncio.Queue, status_errors: bool = False):
         self.inflight = inflight
         self.out = out
+        # The client takes errors as the stream's gRPC status (triton_grpc_error): an ended request ends
+        # the whole stream with `abort` (code, message), as tritonserver does for such a client.
+        self.status_errors = status_errors
+        self.abort: tuple | None = None
         self.live: dict[tuple[str, str], list[_Entry]] = {}
         self.untracked = 0  # requests the front could not read (tritonserver answers them)
         # The front ended a request that tritonserver still holds: the upstream stream cannot end by itself.
@@ -161,7 +165,11 @@ class _Stream:
             if not entries:
                 self.live.pop(key, None)
             self.abandoned = True
-            self.out.put_nowait(_stream_error(model, request_id, message))
+            if self.status_errors:
+                self.abort = self.abort or (grpc.StatusCode.UNAVAILABLE, message)
+                self.out.put_nowait(None)
+            else:
+                self.out.put_nowait(_stream_error(model, request_id, message))
 
         entry.fail = fail
         self.live.setdefault(key, []).append(entry)
@@ -371,9 +379,11 @@ class Front:
         if self._channel is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting; retry later")
         out: asyncio.Queue = asyncio.Queue()
-        stream = _Stream(self.inflight, out)
         metadata = _forwarded_metadata(context)
-        wake = object()
+        # A client that sets triton_grpc_error takes errors as the stream's gRPC status (tritonserver then ends
+        # the stream at the first error), not as error messages inside it: the front answers it the same way.
+        stream = _Stream(self.inflight, out, status_errors=("triton_grpc_error", "true") in metadata)
+        wake = None
         calls: set = set()  # upstream streams not yet ended
         state: dict = {"current": None, "client_done": False}
 
@@ -384,7 +394,9 @@ class Front:
                 if call is state["current"] and stream.busy:  # never seen: tritonserver ends a stream last
                     stream.fail_all("tritonserver ended the stream before the request's final response", "upstream")
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.CANCELLED and call is state["current"]:
+                if exc.code() != grpc.StatusCode.CANCELLED and call is state["current"] and stream.status_errors:
+                    stream.abort = stream.abort or (exc.code(), exc.details() or "")
+                elif exc.code() != grpc.StatusCode.CANCELLED and call is state["current"]:
                     stream.fail_all(f"the stream to tritonserver broke ({exc.code().name}: {exc.details()}); "
                                     "the request was lost", "upstream")
             finally:
@@ -419,6 +431,9 @@ class Front:
                         await call.write(raw)
                         continue
                     refusal = self._refuse(request.model_name)
+                    if refusal is not None and stream.status_errors:
+                        stream.abort = stream.abort or (grpc.StatusCode.UNAVAILABLE, refusal)
+                        return
                     if refusal is not None:
                         out.put_nowait(_stream_error(request.model_name, request.id, refusal))
                         continue
@@ -435,6 +450,8 @@ class Front:
         reader = asyncio.ensure_future(pump_requests())
         try:
             while True:
+                if stream.abort is not None:
+                    await context.abort(*stream.abort)
                 current = state["current"]
                 if current is not None and not stream.busy:
                     state["current"] = None
