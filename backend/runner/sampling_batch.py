@@ -47,7 +47,9 @@ class SamplingBatch:
         for row, item in enumerate(sampled):
             p = item.seq.params
             if item.seq.num_output_tokens < p.min_tokens:
-                ban = list(p.stop_token_ids) + ([] if p.ignore_eos else eos_token_ids)
+                # EOS too under ignore_eos, as vLLM and transformers: min_tokens bans it, ignore_eos only
+                # keeps a later one from ending the output.
+                ban = list(p.stop_token_ids) + eos_token_ids
                 banned_rows.extend([row] * len(ban))
                 banned_ids.extend(ban)
         if banned_rows:
