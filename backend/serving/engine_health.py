@@ -7,9 +7,9 @@ with UNAVAILABLE. Left at that, the model would stay READY for ever, refusing ev
 does with an unhealthy engine, the model unloads itself (`pb_utils.unload_model`, which needs
 `--model-control-mode=explicit`): readiness turns false, and whoever loaded it can load it again.
 
-Under `tritonllm-serve` (supervisor.py) the reason is also written, as one small JSON file, into the
-folder named by TRITONLLM_HEALTH_DIR: the supervisor sees it within a quarter of a second, ends what
-is still in flight with that reason, and reloads the model.
+Under `tritonllm-serve` (supervision/supervisor.py) the reason is also written, as one small JSON
+file, into the folder named by TRITONLLM_HEALTH_DIR: the supervisor sees it within a quarter of a
+second, ends what is still in flight with that reason, and reloads the model.
 """
 
 from __future__ import annotations

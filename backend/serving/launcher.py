@@ -287,7 +287,7 @@ class TritonServer:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`tritonllm-serve`: prepare the default model, then serve it on tritonserver, supervised (supervisor.py).
+    """`tritonllm-serve`: prepare the default model, then serve it on tritonserver, supervised (supervision/supervisor.py).
 
     Arguments it does not know (or everything after `--`) are passed on to tritonserver. With
     --no-supervise, tritonserver itself runs in the foreground on the public ports.
@@ -349,16 +349,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
-    from tritonllm.serving import supervisor
+    from tritonllm.serving.supervision import cli
 
-    supervisor.add_arguments(parser)
+    cli.add_arguments(parser)
 
 
 def _run_supervised(args: argparse.Namespace, extra: list[str]) -> None:
     """tritonserver as a child on private ports, the front on the public ones, until SIGTERM/SIGINT."""
-    from tritonllm.serving import supervisor
+    from tritonllm.serving.supervision import cli
 
-    sys.exit(supervisor.run(args, extra))
+    sys.exit(cli.run(args, extra))
 
 
 if __name__ == "__main__":

@@ -28,11 +28,9 @@ exits 0. A second signal skips the wait.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -41,149 +39,25 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+
+import aiohttp
 
 from tritonllm.serving import launcher
 from tritonllm.serving.engine_health import HEALTH_DIR_ENV
+from tritonllm.serving.supervision.front import Front, Policy
+from tritonllm.serving.supervision.metrics import supervisor_metrics
+from tritonllm.serving.supervision.model_state import Model
+from tritonllm.serving.supervision.processes import LIBC, ProcessWatch, exit_description, set_parent_death_signal, stubs_of
+from tritonllm.serving.supervision.restart_policy import RestartPolicy
+from tritonllm.serving.supervision.tritonserver_api import TritonserverApi
 
 logger = logging.getLogger("tritonllm.supervisor")
 
-STUB_MARKER = "triton_python_backend_stub"
 INDEX_POLL_S = 1.0
 HEALTH_POLL_S = 0.25
 HUNG_AFTER_S = 60.0  # tritonserver's HTTP endpoint silent this long: killed and started again
 SERVER_STOP_S = 10.0  # after the drain, tritonserver gets this long to exit before it is killed
-LOAD_TIMEOUT_S = 1800.0
-
-
-@dataclass
-class RestartPolicy:
-    max_restarts: int = 5  # automatic restarts of one model (or of tritonserver) ...
-    window_s: float = 600.0  # ... within this many seconds; one more and it is marked failed
-    backoff_initial_s: float = 1.0  # wait before the first restart; doubles with each restart in the window
-    backoff_max_s: float = 60.0
-
-    def backoff(self, recent: int) -> float:
-        return min(self.backoff_max_s, self.backoff_initial_s * (2 ** recent))
-
-
-@dataclass
-class Model:
-    name: str
-    state: str = "loading"  # loading | ready | dead | failed | unloaded (by an operator)
-    reason: str = ""  # why it is not ready, in words for a client
-    stubs: dict[int, str] = field(default_factory=dict)  # stub pid -> instance name
-    retired: set[int] = field(default_factory=set)  # stubs of an earlier load, maybe still finishing their unload
-    restarts: collections.deque = field(default_factory=collections.deque)  # monotonic times of recent restarts
-    restarts_total: int = 0
-    deaths: collections.Counter = field(default_factory=collections.Counter)  # cause -> count
-    died_at: float | None = None
-    zombie: bool = False  # a stub died: tritonserver keeps that version UNLOADING for good
-    task: asyncio.Task | None = None
-
-
-# ---- processes -------------------------------------------------------------------------------------
-def _proc_stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2:].split()
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0")]
-    except OSError:
-        return []
-
-
-def exit_description(pid: int) -> str:
-    """How a process that has just exited ended, while it is a zombie (its parent has not reaped it)."""
-    fields = _proc_stat(pid)
-    if fields is None or fields[0] != "Z" or len(fields) < 50:
-        return "exited"
-    status = int(fields[49])  # exit_code: the waitpid() status
-    if status & 0x7F:
-        sig = status & 0x7F
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        hint = " (what an OOM kill or kill -9 looks like)" if sig == signal.SIGKILL else (
-            " (a crash)" if sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE) else "")
-        return f"killed by {name}{hint}"
-    return f"exited with code {(status >> 8) & 0xFF}"
-
-
-def stubs_of(server_pid: int, repository: Path, model: str) -> dict[int, str]:
-    """The live stub processes of tritonserver `server_pid` that serve `model`: pid -> instance name."""
-    folder = str(repository / model) + os.sep
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = _proc_stat(int(entry))
-        if fields is None or int(fields[1]) != server_pid or fields[0] == "Z":
-            continue
-        args = _cmdline(int(entry))
-        if len(args) < 2 or not args[0].endswith(STUB_MARKER) or not args[1].startswith(folder):
-            continue
-        instance = next((a for a in args[2:] if a.startswith(f"{model}_")), model)
-        found[int(entry)] = instance
-    return found
-
-
-def _set_parent_death_signal() -> None:
-    """In the child before exec: SIGKILL it if the launcher dies, so no tritonserver outlives its front."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)  # loaded before any fork: the child only calls it
-except OSError:
-    _LIBC = None
-
-
-class _Watch:
-    """Calls `on_exit()` once when process `pid` exits: a pidfd on the event loop, else polling /proc."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, pid: int, on_exit):
-        self.pid, self._on_exit, self._loop = pid, on_exit, loop
-        self._fd = None
-        self._poller = None
-        try:
-            self._fd = os.pidfd_open(pid)
-            loop.add_reader(self._fd, self._fire)
-        except (AttributeError, OSError):
-            self._poller = loop.create_task(self._poll())
-
-    async def _poll(self):
-        while True:
-            fields = _proc_stat(self.pid)
-            if fields is None or fields[0] == "Z":
-                self._fire()
-                return
-            await asyncio.sleep(0.2)
-
-    def _fire(self):
-        cb, self._on_exit = self._on_exit, None
-        self.cancel()
-        if cb is not None:
-            cb()
-
-    def cancel(self):
-        if self._fd is not None:
-            self._loop.remove_reader(self._fd)
-            os.close(self._fd)
-            self._fd = None
-        if self._poller is not None and self._poller is not asyncio.current_task():
-            self._poller.cancel()
-        self._poller = None
 
 
 # ---- the supervisor ----------------------------------------------------------------------------------
@@ -199,15 +73,16 @@ class Supervisor:
         self.process: subprocess.Popen | None = None
         self.phase = "starting"  # starting | serving | draining | stopped
         self.server_restarts: collections.deque = collections.deque()
-        self._server_watch: _Watch | None = None
-        self._stub_watches: dict[int, _Watch] = {}
-        self._server_generation = 0
+        self._server_watch: ProcessWatch | None = None
+        self._stub_watches: dict[int, ProcessWatch] = {}
+        self.server_generation = 0
         self._stop = asyncio.Event()
         self._signals = 0
         self._health_dir = Path(tempfile.mkdtemp(prefix="tritonllm-health-"))
         self._tasks: set[asyncio.Task] = set()
         self.front = None
         self._session = None
+        self.api: TritonserverApi | None = None
 
     # -- the front's questions
     def refusal(self, model: str) -> str | None:
@@ -252,32 +127,7 @@ class Supervisor:
             logger.info("model %s unloaded by an operator through the repository API; not restarted", model)
 
     def metrics_text(self) -> str:
-        lines = []
-
-        def family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-            lines.extend(f"{name}{{{labels}}} {value:g}" if labels else f"{name} {value:g}" for labels, value in samples)
-
-        models = sorted(self.models.values(), key=lambda m: m.name)
-        family("llm_model_ready", "gauge", "1 while the model serves, as tritonllm-serve's supervisor sees it",
-               [(f'model="{m.name}"', 1.0 if self.model_serving(m.name) and self.phase == "serving" else 0.0)
-                for m in models])
-        family("llm_model_failed", "gauge", "1 once the supervisor has given up restarting the model",
-               [(f'model="{m.name}"', 1.0 if m.state == "failed" else 0.0) for m in models])
-        family("llm_model_restarts_total", "counter", "automatic reloads of the model after it died",
-               [(f'model="{m.name}"', float(m.restarts_total)) for m in models])
-        family("llm_model_deaths_total", "counter", "deaths of the model seen by the supervisor, by cause",
-               [(f'model="{m.name}",cause="{c}"', float(m.deaths[c])) for m in models
-                for c in ("stub_died", "engine_died", "unloaded_itself", "server_died")])
-        ended = dict(self.front.inflight.ended) if self.front is not None else {}
-        refused = dict(self.front.refused) if self.front is not None else {}
-        samples = [(f'model="{model}",cause="{cause}"', float(n)) for (model, cause), n in sorted(ended.items())]
-        samples += [(f'model="{model}",cause="refused"', float(n)) for model, n in sorted(refused.items())]
-        family("llm_front_request_errors_total", "counter",
-               "requests tritonllm-serve's front answered with an error itself, by cause", samples)
-        family("llm_server_restarts_total", "counter", "tritonserver restarts after it died or hung",
-               [("", float(self._server_generation - 1 if self._server_generation else 0))])
-        return "\n".join(lines) + "\n"
+        return supervisor_metrics(self)
 
     # -- tritonserver
     def _server_command(self) -> tuple[list[str], dict]:
@@ -295,24 +145,25 @@ class Supervisor:
 
     async def _start_server(self) -> None:
         cmd, env = self._server_command()
-        self._server_generation += 1
-        generation = self._server_generation
+        self.server_generation += 1
+        generation = self.server_generation
         logger.info("starting tritonserver on private ports (HTTP %d, gRPC %d, metrics %d)", self.private["http"],
                     self.private["grpc"], self.private["metrics"])
         # Its own session: Ctrl-C on the terminal reaches the launcher, which drains, not tritonserver.
         self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_set_parent_death_signal if _LIBC is not None else None)
+                                        preexec_fn=set_parent_death_signal if LIBC is not None else None)
         self.front.upstream_http = f"127.0.0.1:{self.private['http']}"
+        self.api.address = self.front.upstream_http
         self.front.upstream_grpc = f"127.0.0.1:{self.private['grpc']}"
         self.front.upstream_metrics = f"127.0.0.1:{self.private['metrics']}"
         await self.front.reconnect()
         loop = asyncio.get_running_loop()
-        self._server_watch = _Watch(loop, self.process.pid, lambda: self._spawn(self._server_exited(generation)))
+        self._server_watch = ProcessWatch(loop, self.process.pid, lambda: self._spawn(self._server_exited(generation)))
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode} while starting")
-            if await self._get_ok("/v2/health/live"):
+            if await self.api.get_ok("/v2/health/live"):
                 return
             await asyncio.sleep(0.25)
         raise RuntimeError("tritonserver did not answer on its HTTP port within 300 s")
@@ -342,7 +193,7 @@ class Supervisor:
         self._stub_watches.clear()
 
     async def _server_exited(self, generation: int) -> None:
-        if generation != self._server_generation or self.phase in ("draining", "stopped"):
+        if generation != self.server_generation or self.phase in ("draining", "stopped"):
             return
         code = await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
         how = f"exited with code {code}" if code >= 0 else f"was killed by {signal.Signals(-code).name}"
@@ -358,7 +209,7 @@ class Supervisor:
                 m.state, m.reason = "dead", f"model '{m.name}' is unavailable: {why}; the server is being restarted"
             self._unwatch(m)
         self.front.fail_all(f"{why}; the request was lost; retry", "server_died")
-        self._prune(self.server_restarts)
+        self.policy.prune(self.server_restarts)
         if len(self.server_restarts) >= self.policy.max_restarts:
             logger.error("tritonserver needed %d restarts within %.0f s: giving up", len(self.server_restarts),
                          self.policy.window_s)
@@ -380,45 +231,6 @@ class Supervisor:
                 m.zombie = False
                 self._spawn_reload(m, "the server restarted")
 
-    # -- HTTP to tritonserver
-    async def _get_ok(self, path: str, timeout: float = 5) -> bool:
-        import aiohttp
-
-        try:
-            async with self._session.get(f"http://127.0.0.1:{self.private['http']}{path}",
-                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                await r.read()
-                return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
-
-    async def _post(self, path: str, timeout: float) -> tuple[int, str]:
-        import aiohttp
-
-        try:
-            async with self._session.post(f"http://127.0.0.1:{self.private['http']}{path}", data=b"{}",
-                                          timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                return r.status, (await r.read()).decode(errors="replace")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            return 0, f"{type(exc).__name__}: {exc}"
-
-    async def _load(self, model: str) -> str | None:
-        """Load `model` (blocks until loaded or failed): None, or the error."""
-        status, body = await self._post(f"/v2/repository/models/{model}/load", LOAD_TIMEOUT_S)
-        if status == 200:
-            return None
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            body = json.loads(body).get("error", body)
-        return body or f"HTTP {status}"
-
-    async def _index(self) -> dict[str, dict] | None:
-        status, body = await self._post("/v2/repository/index", 10)
-        if status != 200:
-            return None
-        with contextlib.suppress(ValueError):
-            return {e["name"]: e for e in json.loads(body)}
-        return None
-
     # -- watching models
     def _watch_stubs(self, m: Model) -> None:
         if self.process is None:
@@ -429,7 +241,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for pid, instance in m.stubs.items():
             if pid not in self._stub_watches:
-                self._stub_watches[pid] = _Watch(loop, pid, lambda pid=pid, instance=instance, name=m.name:
+                self._stub_watches[pid] = ProcessWatch(loop, pid, lambda pid=pid, instance=instance, name=m.name:
                                                  self._stub_exited(name, pid, instance))
         if not m.stubs:
             logger.warning("model %s: no stub process found to watch; only the repository index tells its death", m.name)
@@ -467,7 +279,7 @@ class Supervisor:
 
     async def _reload(self, m: Model, cause: str) -> None:
         # Unloaded at once: tritonserver's own readiness turns false too, and its other stubs stop.
-        await self._post(f"/v2/repository/models/{m.name}/unload", 30)
+        await self.api.unload(m.name, 30)
         if m.zombie:
             # That version never finishes unloading (its dead stub holds requests): its living stubs
             # would keep their weights and KV pools for good, so they go now. Their requests ended above.
@@ -478,7 +290,7 @@ class Supervisor:
         m.retired.update(m.stubs)
         m.stubs = {}
         while True:
-            self._prune(m.restarts)
+            self.policy.prune(m.restarts)
             if len(m.restarts) >= self.policy.max_restarts:
                 m.state = "failed"
                 m.reason = (f"model '{m.name}' has failed and is not restarted again: {len(m.restarts)} restarts "
@@ -501,7 +313,7 @@ class Supervisor:
             logger.warning("model %s: restart %d (of at most %d within %.0f s) after a %.1f s back-off, because "
                            "%s", m.name, attempt, self.policy.max_restarts, self.policy.window_s, delay, cause)
             started = time.monotonic()
-            error = await self._load(m.name)
+            error = await self.api.load(m.name)
             if error is None:
                 m.state, m.reason, m.zombie = "ready", "", False
                 self._watch_stubs(m)
@@ -516,14 +328,10 @@ class Supervisor:
         """Until tritonserver has finished unloading `model` (its finalize ran), bounded."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            index = await self._index()
+            index = await self.api.index()
             if index is not None and index.get(model, {}).get("state") != "UNLOADING":
                 return
             await asyncio.sleep(0.5)
-
-    def _prune(self, times: collections.deque) -> None:
-        while times and time.monotonic() - times[0] > self.policy.window_s:
-            times.popleft()
 
     async def _poll_index(self) -> None:
         """Models that left READY without anyone asking (they unloaded themselves); tritonserver hung."""
@@ -533,9 +341,9 @@ class Supervisor:
             if self.phase != "serving" or self.process is None or self.process.poll() is not None:
                 silent_since = None
                 continue
-            generation = self._server_generation
-            index = await self._index()
-            if generation != self._server_generation:
+            generation = self.server_generation
+            index = await self.api.index()
+            if generation != self.server_generation:
                 continue
             if index is None:
                 silent_since = silent_since or time.monotonic()
@@ -595,15 +403,12 @@ class Supervisor:
                 self.front.inflight.changed.set()
 
     async def run(self) -> int:
-        import aiohttp
-
-        from tritonllm.serving.front import Front, Policy
-
         self.exit_code = 0
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
         self._session = aiohttp.ClientSession()
+        self.api = TritonserverApi(self._session)
         policy = Policy(refusal=self.refusal, server_ready=self.server_ready, model_serving=self.model_serving,
                         on_repository=self.on_repository, not_ready_reason=self.not_ready_reason,
                         extra_metrics=self.metrics_text)
@@ -642,12 +447,12 @@ class Supervisor:
     async def _load_all(self) -> bool:
         names = self.wanted
         if names is None:
-            index = await self._index() or {}
+            index = await self.api.index() or {}
             names = sorted(index)
         for name in names:
             self.models[name] = Model(name, reason=f"model '{name}' is unavailable: loading; retry later")
         logger.info("loading %s", ", ".join(names) or "no models")
-        errors = await asyncio.gather(*(self._load(n) for n in names))
+        errors = await asyncio.gather(*(self.api.load(n) for n in names))
         failed = [(n, e) for n, e in zip(names, errors) if e is not None]
         for name, error in failed:
             logger.error("model %s failed to load: %s", name, error)
@@ -674,62 +479,3 @@ class Supervisor:
         logger.info("drained%s; stopping tritonserver", f": {left} request(s) ended with an error" if left else "")
 
 
-# ---- command line ------------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("supervision (tritonllm-serve runs tritonserver as its child, behind a front)")
-    group.add_argument("--no-supervise", action="store_true",
-                       help="exec tritonserver directly on the public ports: no front, no health watch, no restarts")
-    group.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
-                       help="automatic restarts of a model within --restart-window before it is marked failed")
-    group.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS")
-    group.add_argument("--restart-backoff", type=float, default=RestartPolicy.backoff_initial_s, metavar="SECONDS",
-                       help="wait before a model's first restart; doubles with each restart in the window, up to 60 s")
-
-
-def split_server_args(extra: list[str]) -> tuple[list[str], list[str] | None, float, str | None]:
-    """(tritonserver's own arguments, models to load or None for all, exit timeout, a refusal or None).
-
-    `--load-model` and `--exit-timeout-secs` are the launcher's to act on; another model control mode
-    cannot be supervised.
-    """
-    rest, models, exit_timeout = [], [], 30.0
-    it = iter(extra)
-    for arg in it:
-        key, eq, value = arg.partition("=")
-        if key in ("--load-model", "--exit-timeout-secs", "--model-control-mode") and not eq:
-            value = next(it, "")
-        if key == "--load-model":
-            models.append(value)
-        elif key == "--exit-timeout-secs":
-            exit_timeout = float(value)
-        elif key == "--model-control-mode":
-            if value != "explicit":
-                return [], None, exit_timeout, (f"--model-control-mode={value} cannot be supervised (models are "
-                                                "loaded and reloaded through the repository API); use --no-supervise")
-        else:
-            rest.append(arg)
-    return rest, (models or None), exit_timeout, None
-
-
-def run(args: argparse.Namespace, extra: list[str]) -> int:
-    """Serve under supervision until a signal; the exit code."""
-    try:
-        import aiohttp  # noqa: F401
-        import grpc  # noqa: F401
-        from tritonclient.grpc import service_pb2  # noqa: F401
-    except ImportError as exc:
-        print(f"tritonllm-serve: the front needs tritonclient[grpc,http] ({exc}): pip install 'tritonclient[grpc,http]', "
-              "or run with --no-supervise", flush=True)
-        return 1
-    server_args, models, exit_timeout, refusal = split_server_args(extra)
-    if refusal is not None:
-        print(f"tritonllm-serve: {refusal}", flush=True)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s tritonllm-serve %(levelname)s: %(message)s")
-    metrics_port = None if any(a.replace(" ", "") in ("--allow-metrics=false", "--allow-metrics=0") for a in server_args) \
-        else args.metrics_port
-    policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
-                           backoff_initial_s=args.restart_backoff)
-    supervisor = Supervisor(Path(args.model_repository), args.host, args.http_port, args.grpc_port, metrics_port,
-                            server_args, models, policy, exit_timeout, args.log_verbose)
-    return asyncio.run(supervisor.run())
