@@ -337,7 +337,7 @@ class StreamingClient:
         if "logprobs" in names:
             arr = result.as_numpy("logprobs")
             if arr is not None and arr.size:  # one JSON list per completion
-                res.token_logprobs.extend(json.loads(arr.reshape(-1)[0]))
+                res.token_logprobs.extend(json.loads(arr.reshape(-1)[0]) or [])  # null: no `logprobs` count asked
         if "prompt_logprobs" in names:
             arr = result.as_numpy("prompt_logprobs")
             if arr is not None and arr.size:

@@ -53,7 +53,7 @@ class Collected:
     output_token_counts: list[int] = field(default_factory=list)  # each response's num_output_tokens
     response_id_counts: list[int] = field(default_factory=list)  # each response's number of output_ids
     cumulative_logprobs: list[float] = field(default_factory=list)  # each response's cumulative_logprob
-    top_logprobs: list[list[dict]] = field(default_factory=list)  # each response's `logprobs` JSON, parsed
+    top_logprobs: list[list[dict] | None] = field(default_factory=list)  # each response's `logprobs` JSON, parsed
     arrays: list[dict[str, np.ndarray]] = field(default_factory=list)  # each response's outputs, as sent
     error: str | None = None
     final: bool = False

@@ -182,3 +182,45 @@ def test_min_tokens_keeps_eos_and_stop_ids_out_as_transformers_min_new_tokens(en
             max_tokens=max_new, min_tokens=min_new, ignore_eos=ignore_eos, stop_token_ids=[stop_id]))
         assert out.token_ids == ref_ids
         assert len(out.token_ids) >= min_new
+
+
+def test_stream_with_the_prompt_in_the_output_and_lora_name_are_refused_as_by_the_vllm_backend():
+    def parse(**inputs):
+        arrays = {"text_input": np.array([b"hi"], dtype=np.object_)}
+        arrays.update({k: np.array([v], dtype=np.object_ if isinstance(v, bytes) else None) for k, v in inputs.items()})
+        return parse_request(arrays, None)
+
+    with pytest.raises(InvalidRequestError, match="exclude_input_in_output"):
+        parse(stream=True, exclude_input_in_output=False)
+    assert parse(stream=True).stream and parse(stream=True, exclude_input_in_output=True).stream
+    assert not parse(stream=False, exclude_input_in_output=False).exclude_input_in_output
+    with pytest.raises(InvalidRequestError, match="LoRA"):
+        parse(sampling_parameters=b'{"lora_name": "sql-lora"}')
+    assert parse(sampling_parameters=b'{"lora_name": null}').params.max_tokens == 16  # vLLM clients send null
+
+
+@pytest.mark.server
+def test_additional_outputs_as_the_vllm_backend_sends_them(triton_server, engine):
+    """finish_reason in every streamed response ("None" until the last), logprobs JSON null without the
+    `logprobs` count, and the chosen tokens' decoded_token spelling each response's text_output, also
+    where the output ends at EOS (which the text leaves out)."""
+    client = StreamClient(triton_server.grpc_url)
+    sampling = {"max_tokens": 32, "logprobs": 2}
+    client.send("eos", make_inputs("What is 2+2?", chat=True, sampling=sampling))
+    client.send("whole", make_inputs("What is 2+2?", chat=True, stream=False, exclude_input=True, sampling=sampling))
+    client.send("null", make_inputs(PLAIN_PROMPTS[1], sampling={"max_tokens": 4}))
+    got = client.wait(timeout=120)
+    client.close()
+    [ref] = engine.generate(["What is 2+2?"], SamplingParams(max_tokens=32), apply_chat_template=True)
+    assert ref.finish_reason == "stop" and ref.token_ids[-1] in engine.eos_token_ids  # the case that matters
+    for name in ("eos", "whole"):
+        c = got[name]
+        assert c.error is None and c.ids == ref.token_ids and c.text == ref.text
+        reasons = [a["finish_reason"].tolist() for a in c.arrays]
+        assert reasons == [[b"None"]] * (len(reasons) - 1) + [[b"stop"]]
+        for text, tokens in zip(c.texts, c.top_logprobs):
+            assert "".join(next(iter(entries.values()))["decoded_token"] for entries in tokens) == text
+        last = c.top_logprobs[-1][-1]
+        assert next(iter(last.values()))["decoded_token"] == ""  # the EOS that ended it
+    assert got["eos"].num_responses == len(ref.token_ids)
+    assert got["null"].top_logprobs == [None] * got["null"].num_responses and got["null"].num_responses == 4

@@ -45,6 +45,10 @@ class _StreamState:
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     prompt_logprobs_sent: bool = False
+    # With top log-probs: the text each output token added to `text` ("" for an ending EOS, and up to
+    # the stop string for the token that completed one), so the chosen tokens' decoded_token spell the
+    # text_output.
+    token_texts: list[str] | None = None
 
 
 class Engine:
@@ -205,7 +209,8 @@ class Engine:
         self._seqs[seq.request_id] = seq
         self._streams[seq.request_id] = _StreamState(
             IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens,
-                                   seq.params.spaces_between_special_tokens))
+                                   seq.params.spaces_between_special_tokens),
+            token_texts=[] if seq.params.top_logprobs is not None and seq.params.detokenize else None)
         self.scheduler.add(seq)
 
     def add_request(self, prompt: str | None = None, params: SamplingParams | dict | None = None, **kwargs) -> str:
@@ -286,7 +291,10 @@ class Engine:
         state = self._streams[seq.request_id]
         reason = None
         for token_id, logprob, top in zip(token_ids, logprobs, tops):
+            text_before = len(state.text)
             reason = self._append_token(seq, state, token_id, logprob, top)
+            if state.token_texts is not None:  # "" where a stop string cut the text back before it
+                state.token_texts.append(state.text[text_before:])
             if reason is not None:
                 break
         p = seq.params
@@ -296,10 +304,11 @@ class Engine:
             out = self._retire(seq, *self._new_tokens(seq, state), self._new_text(state, p.stop, final=True))
             out.prompt_logprobs = prompt_logprobs
             return out
-        new_ids, new_lps, new_tops = self._new_tokens(seq, state)
+        new_ids, new_lps, new_tops, new_texts = self._new_tokens(seq, state)
         return RequestOutput(seq.request_id, new_ids, new_lps, self._new_text(state, p.stop, final=False), False, None,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
-                             new_top_logprobs=new_tops, index=seq.index, prompt_logprobs=prompt_logprobs)
+                             new_top_logprobs=new_tops, index=seq.index, prompt_logprobs=prompt_logprobs,
+                             new_token_texts=new_texts)
 
     def _append_token(self, seq: Sequence, state: _StreamState, token_id: int, logprob: float,
                       top) -> FinishReason | None:
@@ -335,10 +344,11 @@ class Engine:
         return FinishReason.STOP
 
     @staticmethod
-    def _new_tokens(seq: Sequence, state: _StreamState) -> tuple[list[int], list[float], list]:
+    def _new_tokens(seq: Sequence, state: _StreamState) -> tuple[list[int], list[float], list, list[str]]:
         start = state.num_emitted_tokens
         state.num_emitted_tokens = seq.num_output_tokens
-        return seq.output_token_ids[start:], seq.output_logprobs[start:], seq.output_top_logprobs[start:]
+        texts = state.token_texts[start:] if state.token_texts is not None else []
+        return seq.output_token_ids[start:], seq.output_logprobs[start:], seq.output_top_logprobs[start:], texts
 
     @staticmethod
     def _take_prompt_logprobs(seq: Sequence, state: _StreamState) -> list | None:
@@ -359,7 +369,7 @@ class Engine:
         state.num_emitted_chars = end
         return delta
 
-    def _retire(self, seq: Sequence, new_ids: list[int], new_lps: list[float], new_tops: list,
+    def _retire(self, seq: Sequence, new_ids: list[int], new_lps: list[float], new_tops: list, new_texts: list[str],
                 new_text: str) -> RequestOutput:
         if logger.isEnabledFor(logging.DEBUG):
             t = seq.times
@@ -373,7 +383,8 @@ class Engine:
         del self._streams[seq.request_id]
         return RequestOutput(seq.request_id, new_ids, new_lps, new_text, True, seq.finish_reason.value,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
-                             seq.times.as_dict(), new_top_logprobs=new_tops, index=seq.index)
+                             seq.times.as_dict(), new_top_logprobs=new_tops, index=seq.index,
+                             new_token_texts=new_texts)
 
     # ---- offline API -------------------------------------------------------------------------
     def generate(self, prompts: list[str] | str | None = None, params: SamplingParams | list | dict | None = None,

@@ -80,12 +80,13 @@ def _response_parameters_supported() -> bool:
 class _Active:
     """A request the response thread is serving."""
 
-    __slots__ = ("request_id", "sender", "assembler")
+    __slots__ = ("request_id", "sender", "assembler", "cancelled")
 
     def __init__(self, request_id: str, sender, assembler: ResponseAssembler):
         self.request_id = request_id
         self.sender = sender
         self.assembler = assembler
+        self.cancelled = False  # not streaming: aborted, its final response (what it had) on the way
 
 
 class TritonPythonModel:
@@ -257,19 +258,34 @@ class TritonPythonModel:
         self.loop.abort(active.request_id)  # nobody can receive its tokens any more
 
     def _check_cancelled(self) -> None:
+        """Abort the requests whose client cancelled, answering as the vLLM backend does: a stream gets a
+        FINAL response with a CANCELLED error; a whole-text request gets what it had generated (the
+        engine's abort finishes its completions with finish_reason `abort`)."""
         for request_id, active in list(self._active.items()):
+            if active.cancelled:
+                continue
             try:
                 cancelled = active.sender.is_cancelled()
             except Exception:  # noqa: BLE001 - a sender that cannot answer is treated as gone
                 cancelled = True
-            if cancelled:
-                self._active.pop(request_id, None)
-                self._pending.pop(request_id, None)
-                self.loop.abort(request_id)
-                try:
+            if not cancelled:
+                continue
+            self.loop.abort(request_id)
+            if not active.assembler.parsed.stream:
+                active.cancelled = True
+                continue
+            self._active.pop(request_id, None)
+            self._pending.pop(request_id, None)
+            code = getattr(pb_utils.TritonError, "CANCELLED", None)  # older stubs: an empty FINAL response
+            try:
+                if code is None:
                     active.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                except Exception:  # noqa: BLE001 - the client is gone; nothing to tell it
-                    pass
+                else:
+                    error = pb_utils.TritonError("Request was cancelled", code)
+                    active.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
+                                       flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception:  # noqa: BLE001 - the client is gone; nothing to tell it
+                pass
 
     def _send_error(self, sender, message: str, kind: str) -> None:
         """A FINAL response carrying the error; kind: invalid_argument | unavailable | internal."""

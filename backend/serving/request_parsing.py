@@ -117,12 +117,19 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
                 sampling[key] = float(sampling[key])
             except ValueError:
                 pass
+    if sampling.pop("lora_name", None) is not None:
+        # The vLLM backend's answer where LoRA is not enabled; this engine serves no adapters.
+        raise InvalidRequestError("lora_name: LoRA feature is not enabled (this model serves no LoRA adapters)")
     params = SamplingParams.from_dict(sampling)
 
     for name in _FLAGS:
         if name in inputs:
             flags[name] = _bool(_scalar(inputs[name], name), name)
 
+    if flags.get("stream") and flags.get("exclude_input_in_output") is False:
+        # As the vLLM backend: a stream sends only new text, so asking for the prompt in it is an error
+        # (left out, exclude_input_in_output defaults to true when streaming).
+        raise InvalidRequestError("When streaming, `exclude_input_in_output` = False is not allowed.")
     prompt = token_ids = None
     has_ids = "input_ids" in inputs and np.asarray(inputs["input_ids"]).size > 0
     if has_ids and "text_input" in inputs:

@@ -3,7 +3,10 @@
 The tensors are those of Triton's vLLM backend, with one element per completion (`n`):
 `text_output` (each completion's new text when streaming, its whole text otherwise),
 `finish_reason`, `cumulative_logprob`, `num_output_tokens` (this response's tokens of each
-completion) and `logprobs` (JSON, per completion); `num_input_tokens` once. Ours besides:
+completion) and `logprobs` (JSON, per completion); `num_input_tokens` once. As that backend's,
+`finish_reason` comes in every response of a stream ("None" until the completion ends), `logprobs`
+is JSON `null` when the sampling parameter `logprobs` was not given, and the chosen token's
+`decoded_token` is the text it added to `text_output`. Ours besides:
 `prompt_logprobs` (JSON, once, in the first response after the prompt is computed, when the
 sampling parameter `prompt_logprobs` asks);
 `output_ids` and `output_log_probs` hold the completions' tokens one after another in index
@@ -31,6 +34,7 @@ class _Completion:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)  # per token with top_logprobs: the text it added
     cumulative_logprob: float = 0.0  # of every token so far
     finished: bool = False
     finish_reason: str | None = None
@@ -81,6 +85,7 @@ class ResponseAssembler:
         c.ids += out.new_token_ids
         c.logprobs += out.new_logprobs
         c.top_logprobs += out.new_top_logprobs
+        c.token_texts += out.new_token_texts
         if out.prompt_logprobs is not None:
             self._prompt_logprobs = out.prompt_logprobs
         if self.parsed.return_cumulative_logprob:
@@ -104,12 +109,14 @@ class ResponseAssembler:
         }
         if p.return_logprobs:
             outputs["output_log_probs"] = np.array([lp for c in cs for lp in c.logprobs], dtype=np.float32)
-            if p.params.top_logprobs is not None:
-                outputs["logprobs"] = np.array([self._logprobs_json(c.top_logprobs) for c in cs], dtype=np.object_)
+            # Without the `logprobs` sampling parameter there are none: JSON null, as the vLLM backend sends.
+            outputs["logprobs"] = np.array([self._logprobs_json(c.top_logprobs, c.token_texts)
+                                            if p.params.top_logprobs is not None else b"null" for c in cs],
+                                           dtype=np.object_)
         if p.return_cumulative_logprob:  # each completion's so far, as the vLLM backend's
             outputs["cumulative_logprob"] = np.array([c.cumulative_logprob for c in cs], dtype=np.float32)
-        if p.return_finish_reason and self.finished:
-            outputs["finish_reason"] = np.array([c.finish_reason.encode() for c in cs], dtype=np.object_)
+        if p.return_finish_reason:  # in every response, "None" while a completion runs (the vLLM backend's str(None))
+            outputs["finish_reason"] = np.array([str(c.finish_reason).encode() for c in cs], dtype=np.object_)
         if p.return_num_input_tokens:
             outputs["num_input_tokens"] = np.array([self.num_prompt_tokens], dtype=np.uint32)
         if p.return_num_output_tokens:  # this response's, as the vLLM backend: a stream's sum is the total
@@ -119,7 +126,7 @@ class ResponseAssembler:
             outputs["prompt_logprobs"] = np.array([json.dumps(scored).encode("utf-8")], dtype=np.object_)
             self._prompt_logprobs = None
         for c in cs:
-            c.text, c.ids, c.logprobs, c.top_logprobs = [], [], [], []
+            c.text, c.ids, c.logprobs, c.top_logprobs, c.token_texts = [], [], [], [], []
         self._num_taken += 1
         return outputs
 
@@ -136,9 +143,18 @@ class ResponseAssembler:
         merged["num_cached_prompt_tokens"] = self.completions[0].num_cached_prompt_tokens
         return merged
 
-    def _logprobs_json(self, top_logprobs: list) -> bytes:
-        """The vLLM backend's `logprobs`: per token {token id: {logprob, rank, decoded_token}}."""
-        return json.dumps([self._token_entries(entries) for entries in top_logprobs]).encode("utf-8")
+    def _logprobs_json(self, top_logprobs: list, token_texts: list[str]) -> bytes:
+        """The vLLM backend's `logprobs`: per token {token id: {logprob, rank, decoded_token}}. The chosen
+        token (the first key) reads as the text it added, so that a response's chosen tokens spell its
+        text_output: "" for an ending EOS, which the text leaves out, where decoding it alone gives
+        `<|im_end|>`; the other tokens read as they decode alone."""
+        tokens = []
+        for i, entries in enumerate(top_logprobs):
+            decoded = self._token_entries(entries)
+            if i < len(token_texts):
+                decoded[str(entries[0][0])]["decoded_token"] = token_texts[i]
+            tokens.append(decoded)
+        return json.dumps(tokens).encode("utf-8")
 
     def _token_entries(self, entries: list[tuple[int, float, int]]) -> dict:
         return {str(t): {"logprob": lp, "rank": rank, "decoded_token": self._decode([t])} for t, lp, rank in entries}
