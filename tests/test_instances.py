@@ -96,3 +96,7 @@ def test_two_instances_serve_concurrent_streams_with_per_instance_metrics(server
     # Triton hands each request to an idle instance: eight arriving at once reach both engines.
     assert all(tokens > 0 for tokens in delta.values()), delta
     assert metric(after, "llm_requests_finished_total") - metric(before, "llm_requests_finished_total") == 12
+    # The vLLM backend's families have no instance label: both engines add into the one series.
+    vllm = 'vllm:generation_tokens_total{model="smollm2",version="1"}'
+    assert after[vllm] - before.get(vllm, 0.0) == generated
+    assert len(_instances(after, "vllm:num_requests_running")) == 2  # vLLM's gauges: one per engine

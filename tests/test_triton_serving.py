@@ -174,6 +174,38 @@ def test_metrics_move_as_requests_flow(triton_server, stream):
     assert metric(after, "llm_requests", state="running") == 0
 
 
+_VLLM_FAMILIES = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+                  "vllm:time_per_output_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                  "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+                  "vllm:request_params_n_count", "vllm:request_params_n_sum")
+
+
+def test_the_vllm_backends_metric_families_with_its_labels(triton_server, stream):
+    """Its eight families labelled model and version only, as its dashboards read them; vLLM's own
+    running/waiting/KV-usage gauges per instance."""
+    before = scrape(triton_server.metrics_url)
+    stream.send("v", make_inputs("Hello", sampling={"max_tokens": 5, "ignore_eos": True, "n": 2}))
+    got = stream.wait(["v"])["v"]
+    assert got.error is None
+    after = _wait_idle(triton_server)
+    labels = '{model="smollm2",version="1"}'
+    for name in _VLLM_FAMILIES:
+        assert name + labels in after, f"{name}{labels} not among {[k for k in after if k.startswith(name)]}"
+    delta = {name: after[name + labels] - before.get(name + labels, 0.0) for name in _VLLM_FAMILIES}
+    assert delta["vllm:generation_tokens_total"] == 10  # both completions' tokens
+    assert delta["vllm:prompt_tokens_total"] == 2 * got.num_input_tokens  # per completion, as the llm_ counter
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+                 "request_prompt_tokens", "request_generation_tokens"):
+        assert delta[f"vllm:{name}_count"] == 2, name
+    assert delta["vllm:request_params_n_count"] == 1 and delta["vllm:request_params_n_sum"] == 2
+    # The largest token bucket is the 1-2-5 step at or below max_model_len (2048 here), then +Inf.
+    assert 'vllm:request_prompt_tokens_bucket{model="smollm2",version="1",le="2000"}' in after
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        [key] = [k for k in after if k.startswith(name + "{")]  # one instance: one series
+        assert 'model="smollm2"' in key and 'version="1"' in key and 'model_instance="' in key, key
+        assert after[key] == 0.0, key  # idle
+
+
 def test_sigusr1_writes_the_stub_threads_stacks_into_the_server_log(triton_server):
     """`kill -USR1 <stub pid>` (triton_model.py): where a model that stopped answering waits, in the log."""
     from server_watch import python_stacks, stub_pids

@@ -122,7 +122,8 @@ class TritonPythonModel:
         self.loop = EngineLoop.build(lambda: Engine(config), on_step_done=lambda: self._outputs.put(_STEP_DONE))
         self.engine = self.loop.engine
         self.instance_name = instance_label(args, self.model_name)
-        self.metrics = (EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"), self.instance_name)
+        self.metrics = (EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"), self.instance_name,
+                                      self.engine.max_model_len)
                         if config.serving.enable_metrics else None)
         if self.metrics is not None:
             # Right from the start: llm_engine_alive reads 0 until the first refresh otherwise.
@@ -216,7 +217,7 @@ class TritonPythonModel:
 
     def _handle(self, active: _Active, out: RequestOutput) -> None:
         if out.finished and out.error is None and self.metrics is not None:
-            self.metrics.record_finished(out)  # per completion: a request with n > 1 counts n
+            self.metrics.record_finished(out, active.assembler.parsed.params.n)  # per completion: n > 1 counts n
         if active.request_id not in self._active:
             return  # already closed (cancelled, or an error ended it)
         if out.error is not None:

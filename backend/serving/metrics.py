@@ -11,6 +11,8 @@ Each metric call crosses to the Triton process, so nothing here runs per token.
 
 from __future__ import annotations
 
+from tritonllm.serving.vllm_metrics import VllmMetrics
+
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 _TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 _TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
@@ -19,7 +21,7 @@ _TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 class EngineMetrics:
     """Names are stable and documented in docs/METRICS.md."""
 
-    def __init__(self, pb_utils, model_name: str, model_version: str, instance_name: str):
+    def __init__(self, pb_utils, model_name: str, model_version: str, instance_name: str, max_model_len: int = 8192):
         labels = {"model": model_name, "version": str(model_version), "model_instance": instance_name}
         F = pb_utils.MetricFamily
 
@@ -60,9 +62,12 @@ class EngineMetrics:
         self.alive = family("llm_engine_alive", "1 while the engine thread serves; 0 after it died or stopped",
                             F.GAUGE).Metric(labels=labels)
         self._preemptions_seen = 0
+        # The vLLM backend's families beside ours (vllm_metrics.py): dashboards built for it work unchanged.
+        self.vllm = VllmMetrics(family, F, {"model": model_name, "version": str(model_version)}, labels, max_model_len)
 
-    def record_finished(self, out) -> None:
-        """One finished request (engine RequestOutput with `times`)."""
+    def record_finished(self, out, n: int = 1) -> None:
+        """One finished completion (engine RequestOutput with `times`) of a request of `n` completions."""
+        self.vllm.record_finished(out, n)
         t = out.times
         self.finished.get(out.finish_reason, self.finished["abort"]).increment(1)
         self.prompt_tokens.increment(out.num_prompt_tokens)
@@ -90,6 +95,7 @@ class EngineMetrics:
         for state in ("used", "cached", "free", "total"):
             self.blocks[state].set(kv[state])
         self.hit_rate.set(kv["prefix_hit_rate"])
+        self.vllm.refresh(stats)
         new = stats["preemptions"] - self._preemptions_seen
         if new > 0:
             self.preemptions.increment(new)
