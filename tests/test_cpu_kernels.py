@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.devices.cpu import kernels as cpu_kernels
-from tritonllm.layers.attention import _decode_group
-from tritonllm.layers.attention_metadata import AttentionGroup
+from tritonllm.layers.attention import _decode_group, _Group
 from tritonllm.layers.kv_layout import write_kv
 from tritonllm.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -80,8 +79,7 @@ def test_kernel_equals_torch_path(batch, kv_heads, per_kv, max_blocks, head_dim,
     q, k_cache, v_cache, tables, mask = _case(batch, kv_heads, per_kv, max_blocks, seed=batch, head_dim=head_dim,
                                               block_size=block_size)
     scale = q.shape[-1] ** -0.5
-    group = AttentionGroup(block_tables=tables, mask=mask[:, None, None, :], query_index=None, output_index=None,
-                           token_offset=0, num_tokens=batch)
+    group = _Group(rows=slice(0, batch), tables=tables, mask=mask[:, None, None, :])
     expected = _decode_group(q, k_cache, v_cache, group, scale)
     got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -113,8 +111,7 @@ def test_kernel_equals_torch_path_on_a_16_bit_pool(kv_dtype, batch, kv_heads, pe
                                               block_size=block_size)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     scale = head_dim ** -0.5
-    group = AttentionGroup(block_tables=tables, mask=mask[:, None, None, :], query_index=None, output_index=None,
-                           token_offset=0, num_tokens=batch)
+    group = _Group(rows=slice(0, batch), tables=tables, mask=mask[:, None, None, :])
     expected = _decode_group(q, k_cache, v_cache, group, scale)
     got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, scale)
     assert got.dtype == torch.float32
@@ -247,13 +244,13 @@ def test_prompt_chunks_through_the_kernel_equal_the_sdpa_path(decode_lengths, pr
     for item in scheduled:
         if item.num_new_tokens > 1 and item.seq.num_computed_tokens >= 2 * block_size:
             item.seq.block_table[1] = -1  # a cached block pruned from the window (kv_window)
-    host, _ = build_host_step(scheduled, block_size, max_decode_groups=1)
+    host, _ = build_host_step(scheduled, block_size, with_groups=True)
     k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
     v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
     q = torch.randn(len(host.input_ids), heads, head_dim, generator=gen)
     scale = head_dim ** -0.5
     meta = to_device(host, torch.device("cpu")).meta
-    expected = paged_attention(q, k_cache, v_cache, meta, scale)
+    expected = paged_attention(q, k_cache, v_cache, meta.seqs, scale)
     got = kernel_attention(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -1,9 +1,6 @@
-"""Step inputs: how the decodes are cut into attention groups by context length; prefix K/V copies."""
+"""Step inputs: prefix K/V copies, and what the step's arrays carry."""
 
 from __future__ import annotations
-
-import itertools
-import random
 
 import torch
 
@@ -11,7 +8,7 @@ from tritonllm.scheduling.block_manager import KVCopy
 from tritonllm.engine.sampling_params import SamplingParams
 from tritonllm.scheduling.scheduler import ScheduledSeq
 from tritonllm.engine.sequence import Sequence
-from tritonllm.runner.step_inputs import GROUP_COST_BLOCKS, build_host_step, copy_kv_slots, split_by_length, to_device
+from tritonllm.runner.step_inputs import build_host_step, copy_kv_slots, to_device
 
 
 def _decodes(lengths: list[int]) -> list[ScheduledSeq]:
@@ -21,34 +18,6 @@ def _decodes(lengths: list[int]) -> list[ScheduledSeq]:
         seq.num_computed_tokens = n
         items.append(ScheduledSeq(seq, 1))
     return items
-
-
-def _cost(groups, block_size):
-    return sum(len(g) * -(-(g[-1].seq.num_computed_tokens + 1) // block_size) + GROUP_COST_BLOCKS for g, _ in groups)
-
-
-def test_groups_cover_every_decode_in_order_with_offsets():
-    decodes = _decodes([5, 40, 41, 300, 310, 900, 901, 902, 17, 18])
-    groups = split_by_length(decodes, 16, 4)
-    assert [d for g, _ in groups for d in g] == decodes
-    assert [offset for _, offset in groups] == list(itertools.accumulate([0] + [len(g) for g, _ in groups[:-1]]))
-
-
-def test_groups_are_the_cheapest_cuts():
-    rng = random.Random(0)
-    for _ in range(20):
-        decodes = _decodes([rng.randint(1, 2000) for _ in range(rng.randint(1, 9))])
-        n = len(decodes)
-        best = min(_cost([(decodes[i:j], i) for i, j in zip((0,) + cuts, cuts + (n,))], 16)
-                   for k in range(0, min(3, n - 1) + 1) for cuts in itertools.combinations(range(1, n), k))
-        assert _cost(split_by_length(decodes, 16, 4), 16) == best
-
-
-def test_one_group_when_asked_or_when_lengths_are_alike():
-    decodes = _decodes([10, 500, 1000, 1500] * 4)
-    assert len(split_by_length(decodes, 16, 1)) == 1
-    assert len(split_by_length(_decodes([100] * 64), 16, 4)) == 1
-    assert split_by_length([], 16, 4) == []
 
 
 def test_prefix_kv_copies_read_every_source_before_writing():
@@ -87,10 +56,12 @@ def test_the_sliding_layers_own_pool_gets_its_own_slots_tables_and_copies():
     seq = Sequence("r", list(range(10)), SamplingParams())
     seq.block_table, seq.window_block_table, seq.num_computed_tokens = [4, 5, 1], [-1, 2, 0], 6
     copies = [KVCopy(3, 5, 2), KVCopy(1, 2, 2, window=True)]
-    host, _ = build_host_step([ScheduledSeq(seq, 4, copies)], bs, window=2, window_pool=True)
+    host, _ = build_host_step([ScheduledSeq(seq, 4, copies)], bs, window=2, window_pool=True, with_groups=True)
     assert host.slot_mapping.tolist() == [22, 23, 4, 5] and host.window_slot_mapping.tolist() == [10, 11, 0, 1]
     step = to_device(host, torch.device("cpu"))
     assert step.meta.slot_mapping.tolist() == [22, 23, 4, 5] and step.meta.sliding.slot_mapping.tolist() == [10, 11, 0, 1]
+    assert step.meta.seqs.block_table.tolist() == [[4, 5, 1]]
+    assert step.meta.sliding.seqs.block_table.tolist() == [[-1, 2, 0]]  # -1: given back behind the window
     assert step.meta.prefill.block_tables.tolist() == [[4, 5, 1]]
     assert step.meta.sliding.prefill.block_tables.tolist() == [[0, 2, 0]]  # -1: behind the window, masked
     assert not step.meta.sliding.prefill.mask[0, 0, 0, :4].any()

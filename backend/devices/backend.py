@@ -7,7 +7,6 @@ from torch import nn
 
 from tritonllm.layers.attention_metadata import AttentionMetadata
 from tritonllm.layers.kv_layout import HEAD_MAJOR
-from tritonllm.runner.step_inputs import MAX_DECODE_GROUPS
 
 
 class DeviceBackend:
@@ -19,16 +18,15 @@ class DeviceBackend:
     """
 
     name = "torch"
-    # Decodes are split into up to this many groups by context length: the torch attention pads each
-    # group to its longest context, so mixed lengths gather less K/V in several groups.
-    max_decode_groups = MAX_DECODE_GROUPS
     # Whether every row of a step is computed exactly as a one-token decode's row would be, so that a
     # speculative draft's rows give the same tokens and log-probs as decoding one at a time.
     exact_rows = False
-    # How the KV pools are laid out (layers/kv_layout.py), and whether a step's sequences reach attention
-    # as lengths and block tables (`AttentionMetadata.seqs`) rather than groups with masks.
+    # How the KV pools are laid out (layers/kv_layout.py); whether attention also reads the step's
+    # sequences as groups with masks (`AttentionMetadata.decode` / `prefill`); and whether it skips the
+    # blocks kv_window pruning gives back in the middle of a context.
     kv_layout = HEAD_MAJOR
-    takes_sequences = False
+    takes_groups = False
+    skips_pruned_blocks = True
 
     def optimize(self, model: nn.Module) -> nn.Module:
         """Apply the backend's fast paths to a loaded model (in place); returns it."""

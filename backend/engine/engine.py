@@ -74,7 +74,7 @@ class Engine:
         self.guides = Guides(self.tokenizer, self.eos_token_ids)
         self.runner = ModelRunner(config, self.model_dir, self.device, self.dtype, self.max_model_len, self.eos_token_ids)
         model, cache = self.runner.model, config.cache
-        if self.runner.backend.takes_sequences and (cache.kv_window or cache.kv_window_ratio):
+        if not self.runner.backend.skips_pruned_blocks and (cache.kv_window or cache.kv_window_ratio):
             self.runner.close()
             raise ConfigError(f"kv_window pruning leaves holes in block tables that {self.runner.backend.name}'s "
                               "paged-attention kernels cannot skip; set its attention parameter to torch")

@@ -1,15 +1,19 @@
-"""Attention over the paged KV cache, in torch ops that run on any device.
+"""Attention over the paged KV cache, in torch ops that run on any device: the reference.
 
-The step's tokens are flattened (no padding between sequences): decode tokens first, then the
-prompt chunks. New K/V are written into the block pool through `slot_mapping`; each group then
-attends over its sequences' block tables. Grouped-query attention folds the query heads that share
-a KV head into the query-length axis, so K/V are never repeated per query head.
+A step's sequences arrive as lengths and block tables (`SequenceBatch`): decodes first, one token
+each, then the prompt chunks, their tokens flattened with no padding between them. New K/V are
+written into the block pool through `slot_mapping`; each sequence's queries then attend over the
+blocks of its table. What a query may see (its causal past, within its window for a sliding layer,
+not the blocks a pruned context gave back) is derived here, on the device, from the lengths, once
+per step for all layers; nothing the size of the context is built on the host.
 
 The pool is head-major, [kv_heads, num_blocks, block_size, head_dim] per layer: gathering one KV
 head's blocks for a batch gives a contiguous [batch, context, head_dim] matrix that batched GEMMs
-read as they are. Decodes (one query per sequence) use exactly that: per KV head, one gather of K
-and V, then QK^T, softmax and PV as two batched GEMMs; SDPA's fixed cost per (sequence, head) is
-not amortised by a single query row. Prompt chunks use SDPA (many query rows per sequence).
+read as they are. Decodes (one query per sequence) use exactly that, in groups of similar length
+(`decode_groups`): per KV head, one gather of K and V, then QK^T, softmax and PV as two batched
+GEMMs; SDPA's fixed cost per (sequence, head) is not amortised by a single query row. Prompt chunks
+use SDPA over their gathered blocks. Grouped-query attention folds the query heads that share a KV
+head into the query axis, so K/V are never repeated per query head.
 
 `PagedAttention` is the layer a model holds; a device backend may replace it with a subclass that
 runs the same computation through its own kernels (devices/).
@@ -17,13 +21,104 @@ runs the same computation through its own kernels (devices/).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tritonllm.layers.attention_metadata import AttentionGroup, AttentionMetadata
+from tritonllm.layers.attention_metadata import AttentionMetadata, SequenceBatch
 from tritonllm.layers.kv_layout import write_kv
 from tritonllm.layers.rotary import apply_rotary
+
+# Decodes are split into up to this many groups by context length: each group is padded to its
+# longest context, so mixed lengths gather less K/V in several groups. A group costs a fixed
+# GROUP_COST_BLOCKS (a few small ops per KV head and layer) on top of the blocks it gathers.
+MAX_DECODE_GROUPS = 4
+GROUP_COST_BLOCKS = 64
+
+
+def decode_groups(blocks: list[int], max_groups: int = MAX_DECODE_GROUPS) -> list[tuple[int, int]]:
+    """Cut decodes, sorted by their contexts' block counts `blocks`, into up to `max_groups` runs
+    [start, end) that gather the fewest blocks in all: dynamic programming over the sorted counts
+    (64 sequences x 4 groups: microseconds)."""
+    if not blocks:
+        return []
+    n = len(blocks)
+    inf = float("inf")
+    # best[k][j]: least cost of the first j sequences in k groups; cut[k][j]: where the last group starts
+    best = [[inf] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    best[0][0] = 0
+    for k in range(1, max_groups + 1):
+        for j in range(1, n + 1):
+            for i in range(k - 1, j):
+                cost = best[k - 1][i] + (j - i) * blocks[j - 1] + GROUP_COST_BLOCKS
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    k = min(range(1, max_groups + 1), key=lambda g: best[g][n])
+    bounds, j = [], n
+    while k > 0:
+        i = cut[k][j]
+        bounds.append((i, j))
+        j, k = i, k - 1
+    return list(reversed(bounds))
+
+
+@dataclass
+class _Group:
+    """Sequences attended together, padded to the group's widest context and longest chunk."""
+
+    rows: slice  # the group's rows of the step's flat token axis
+    tables: torch.Tensor  # [batch, max_blocks] int64 (pruned and padding entries point at block 0)
+    mask: torch.Tensor  # [batch, 1, max_q, width] bool: True = attend
+    query_index: torch.Tensor | None = None  # [batch, max_q] flat rows (chunks of several sequences)
+    output_index: torch.Tensor | None = None  # the real rows of the padded [batch * max_q] result
+    bias: torch.Tensor | None = None  # decodes: the mask as 0 / -inf [batch, 1, width], made once per step
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.bias is None or self.bias.dtype != dtype:
+            keep = self.mask[:, 0]
+            self.bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+        return self.bias
+
+
+def _group(seqs: SequenceBatch, first: int, end: int, block_size: int, window: int | None) -> _Group:
+    """Sequences [first, end) of the step as one group, their masks computed from their lengths."""
+    device = seqs.block_table.device
+    starts, lens = seqs.query_start_loc_host[first:end + 1], seqs.seq_lens_host[first:end]
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    max_blocks, max_q = max(-(-n // block_size) for n in lens), max(q_lens)
+    tables = seqs.block_table[first:end, :max_blocks].long()
+    q_lens_t = torch.tensor(q_lens, device=device)
+    q_pos = (seqs.seq_lens[first:end].long() - q_lens_t)[:, None] + torch.arange(max_q, device=device)
+    key_pos = torch.arange(max_blocks * block_size, device=device)
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]
+    mask &= (tables >= 0).repeat_interleave(block_size, dim=1)[:, None, :]  # blocks a pruned context gave back
+    if window is not None:  # a sliding layer's query at p sees keys p - window < k <= p
+        mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
+    group = _Group(slice(starts[0], starts[-1]), tables.clamp(min=0), mask[:, None])
+    if len(q_lens) > 1 and max_q > 1:
+        j = torch.arange(max_q, device=device)[None, :]
+        real = j < q_lens_t[:, None]
+        group.query_index = torch.tensor(starts[:-1], device=device)[:, None] + torch.minimum(j, q_lens_t[:, None] - 1)
+        group.output_index = torch.from_numpy(np.concatenate(
+            [i * max_q + np.arange(n) for i, n in enumerate(q_lens)])).to(device, non_blocking=True)
+        mask &= real[:, :, None]
+        mask[:, :, 0] |= ~real  # padding rows attend somewhere: no NaN from an empty softmax
+    return group
+
+
+def _groups(seqs: SequenceBatch, block_size: int, window: int | None) -> list[_Group]:
+    """The step's groups for layers of this `window`, made by the first such layer, kept for the rest."""
+    if window not in seqs.plans:
+        decode_blocks = [-(-n // block_size) for n in seqs.seq_lens_host[:seqs.num_decodes]]
+        groups = [_group(seqs, a, b, block_size, window) for a, b in decode_groups(decode_blocks)]
+        if len(seqs.seq_lens_host) > seqs.num_decodes:
+            groups.append(_group(seqs, seqs.num_decodes, len(seqs.seq_lens_host), block_size, window))
+        seqs.plans[window] = groups
+    return seqs.plans[window]
 
 
 def _gather(cache: torch.Tensor, flat_tables: torch.Tensor) -> torch.Tensor:
@@ -40,14 +135,14 @@ def _soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
     return scores.div_(cap).tanh_().mul_(cap)
 
 
-def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
+def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
                   scale: float, softcap: float | None = None) -> torch.Tensor:
     """One query per sequence. q: [batch, heads, head_dim] -> [batch, heads, head_dim]."""
     batch, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     per_kv = num_heads // kv_heads
-    width = group.block_tables.shape[1] * k_cache.shape[2]
-    flat_tables = group.block_tables.reshape(-1)
+    width = group.tables.shape[1] * k_cache.shape[2]
+    flat_tables = group.tables.reshape(-1)
     bias = group.additive_mask(q.dtype).expand(batch, per_kv, width)
     q = q.view(batch, kv_heads, per_kv, head_dim)
     out = q.new_empty(kv_heads, batch, per_kv, head_dim)  # each head's result written in place
@@ -64,14 +159,14 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
-def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
+def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
                   scale: float, softcap: float | None = None) -> torch.Tensor:
     """Prompt chunks. q: [batch, max_q, heads, head_dim] -> [batch, max_q, heads, head_dim]."""
     batch, max_q, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[0]
     per_kv = num_heads // kv_heads
-    width = group.block_tables.shape[1] * k_cache.shape[2]
-    flat_tables = group.block_tables.reshape(-1)
+    width = group.tables.shape[1] * k_cache.shape[2]
+    flat_tables = group.tables.reshape(-1)
     # -> [batch, kv_heads, width, d] (a strided view; SDPA reads it in place)
     k = _gather(k_cache, flat_tables).to(q.dtype).view(kv_heads, batch, width, head_dim).transpose(0, 1)
     v = _gather(v_cache, flat_tables).to(q.dtype).view(kv_heads, batch, width, head_dim).transpose(0, 1)
@@ -90,24 +185,21 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         batch, max_q, num_heads, head_dim)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: SequenceBatch,
+                    scale: float, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """q: [tokens, heads, head_dim] (K/V already written) -> [tokens, heads, head_dim].
 
-    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
+    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2). `window`: each
+    query sees only its last `window` positions (a sliding layer)."""
     out = torch.empty_like(q)
-    for g in meta.decode:
-        rows = slice(g.token_offset, g.token_offset + g.num_tokens)
-        out[rows] = _decode_group(q[rows], k_cache, v_cache, g, scale, softcap)
-    if meta.prefill is not None:
-        g = meta.prefill
-        if g.query_index is None:  # a single prompt chunk: no padding needed
-            q_pre = q[g.token_offset:g.token_offset + g.num_tokens].unsqueeze(0)
-            out[g.token_offset:] = _attend_group(q_pre, k_cache, v_cache, g, scale, softcap).squeeze(0)
+    for g in _groups(seqs, k_cache.shape[2], window):
+        if g.query_index is None and g.mask.shape[2] == 1:  # decodes
+            out[g.rows] = _decode_group(q[g.rows], k_cache, v_cache, g, scale, softcap)
+        elif g.query_index is None:  # a single prompt chunk: no padding needed
+            out[g.rows] = _attend_group(q[g.rows].unsqueeze(0), k_cache, v_cache, g, scale, softcap).squeeze(0)
         else:
-            q_pre = q[g.query_index]
-            res = _attend_group(q_pre, k_cache, v_cache, g, scale, softcap)
-            out[g.token_offset:] = res.reshape(-1, *res.shape[2:])[g.output_index]
+            res = _attend_group(q[g.query_index], k_cache, v_cache, g, scale, softcap)
+            out[g.rows] = res.reshape(-1, *res.shape[2:])[g.output_index]
     return out
 
 
@@ -117,9 +209,8 @@ class PagedAttention(nn.Module):
     head-major pool; a device backend may turn it into a subclass that does the same through its own
     kernels (devices/).
 
-    `window`: a sliding-window layer's window (None: it attends to the whole context). The reference
-    reads it from the step's masks (`AttentionMetadata.sliding`); kernels that take lengths apply it
-    themselves. `softcap`: Gemma 2's capped scores (None: plain softmax attention).
+    `window`: a sliding-window layer's window (None: it attends to the whole context). `softcap`:
+    Gemma 2's capped scores (None: plain softmax attention).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, softcap: float | None = None,
@@ -135,4 +226,4 @@ class PagedAttention(nn.Module):
         q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
         qk = apply_rotary(qkv[:, :k_end], *rope)
         write_kv(k_cache, v_cache, qk[:, q_end:], qkv[:, k_end:], meta.slot_mapping)
-        return paged_attention(qk[:, :q_end], k_cache, v_cache, meta, self.scale, self.softcap)
+        return paged_attention(qk[:, :q_end], k_cache, v_cache, meta.seqs, self.scale, self.softcap, self.window)

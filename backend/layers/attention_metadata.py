@@ -10,7 +10,8 @@ import torch
 
 @dataclass
 class AttentionGroup:
-    """Sequences attended together: queries padded to [batch, max_q], keys to the table width."""
+    """Sequences attended together, the form our CPU kernels read (devices/cpu/fused_layers.py):
+    queries padded to [batch, max_q], keys to the table width, what each query sees as a mask."""
 
     block_tables: torch.Tensor  # [batch, max_blocks] int64 (pruned/padding entries point at block 0)
     mask: torch.Tensor  # [batch, 1, max_q, max_blocks * block_size] bool: True = attend
@@ -18,15 +19,7 @@ class AttentionGroup:
     output_index: torch.Tensor | None  # flat rows of the [batch * max_q] result that are real tokens
     token_offset: int  # first flat token row of this group
     num_tokens: int
-    bias: torch.Tensor | None = None  # decode: mask as 0 / -inf [batch, 1, width], made once per step
     token_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # per_token_rows(), made once per step
-
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """The mask as an additive bias for the decode GEMMs, built by the first layer, reused by the rest."""
-        if self.bias is None or self.bias.dtype != dtype:
-            keep = self.mask[:, 0]  # [batch, 1, width]
-            self.bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
-        return self.bias
 
     def per_token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each real query token as a row of its own: its sequence's block table [tokens, max_blocks]
@@ -46,8 +39,9 @@ class AttentionGroup:
 
 @dataclass
 class SequenceBatch:
-    """The step's sequences as lengths and block tables, the form the accelerators' paged-attention
-    kernels take (no masks): decodes first, one token each, then the prompt chunks."""
+    """The step's sequences as lengths and block tables: decodes first, one token each, then the prompt
+    chunks. Block-table entries of -1 are blocks a sequence gave back (behind a sliding window, or
+    pruned by kv_window)."""
 
     query_start_loc: torch.Tensor  # [n + 1] int32: sequence i's tokens are rows [q[i], q[i + 1])
     seq_lens: torch.Tensor  # [n] int32: its context after this step's tokens
@@ -57,6 +51,9 @@ class SequenceBatch:
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
     block_table_host: np.ndarray
+    # What an attention implementation derives from the above once per step, for all layers alike
+    # (the torch reference's groups and masks, by window).
+    plans: dict = field(default_factory=dict)
 
     @property
     def max_query_len(self) -> int:
@@ -67,19 +64,18 @@ class SequenceBatch:
 class AttentionMetadata:
     """Everything attention needs for one step; built once by the model runner, shared by layers.
 
-    A step carries its sequences in the form its device backend's attention reads: `decode` and
-    `prefill` groups with masks (the torch reference, the CPU kernels), or `seqs` (lengths and block
-    tables: the accelerators' kernels)."""
+    The step's sequences as lengths and block tables (`seqs`), and, where the device backend's kernels
+    read them (our CPU kernels), also as `decode` and `prefill` groups with masks."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V go in the pool
-    decode: list[AttentionGroup] = field(default_factory=list)  # decodes, split by context length
+    seqs: SequenceBatch
+    decode: list[AttentionGroup] = field(default_factory=list)
     prefill: AttentionGroup | None = None
-    seqs: SequenceBatch | None = None
     # (cos, sin), each [num_tokens, 1, head_dim]: looked up once per step by the model, not per layer.
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    # For a model's sliding-window layers: the same step, each group's mask limited to the window (and,
-    # where their K/V have a pool of their own, that pool's slots and block tables: scheduling/window_pool.py).
-    # With `seqs`, the kernels apply the window themselves; this then only carries that pool's slots and tables.
+    # For a model's sliding-window layers: the same step with that pool's slots and block tables where
+    # their K/V have a pool of their own (scheduling/window_pool.py), and the groups' masks limited to
+    # the window. Kernels that take lengths apply the window themselves.
     sliding: "AttentionMetadata | None" = None
     # (cos, sin) as `rope`, for sliding layers that rotate by frequencies of their own (Gemma 3).
     local_rope: tuple[torch.Tensor, torch.Tensor] | None = None

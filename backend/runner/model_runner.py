@@ -116,9 +116,9 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        host, sampled = build_host_step(scheduled, self.block_size, self.backend.max_decode_groups,
-                                        self.model.attention_window, window_pool=bool(self.num_window_blocks),
-                                        as_sequences=self.backend.takes_sequences)
+        host, sampled = build_host_step(scheduled, self.block_size, self.model.attention_window,
+                                        window_pool=bool(self.num_window_blocks),
+                                        with_groups=self.backend.takes_groups)
         scored = [item for item in scheduled if positions_to_score(item)]
         sampling = SamplingBatch.build(sampled, self.eos_token_ids, self.model.config.vocab_size, self.device)
         return StepInputs(host, to_device(host, self.device), sampled, sampling, scored)

@@ -16,8 +16,6 @@ from tritonllm.layers.kv_layout import HEAD_MAJOR, copy_slots
 from tritonllm.scheduling.block_manager import KVCopy
 from tritonllm.scheduling.scheduler import ScheduledSeq
 
-MAX_DECODE_GROUPS = 4
-GROUP_COST_BLOCKS = 64  # one more group's fixed cost (a few small ops per KV head and layer), in gathered block rows
 
 
 @dataclass
@@ -51,9 +49,9 @@ class HostStep:
     positions: np.ndarray  # [num_tokens] int64
     slot_mapping: np.ndarray  # [num_tokens] int64
     window_slot_mapping: np.ndarray | None  # the same tokens' slots in the sliding layers' own pool, if any
-    decode: list[HostGroup]  # empty where the step's sequences travel as `seqs`
+    decode: list[HostGroup]  # the step's sequences as groups with masks too, where the backend reads those
     prefill: HostGroup | None
-    seqs: HostSeqs | None  # the step's sequences as lengths and block tables (kernels that take those)
+    seqs: HostSeqs  # the step's sequences as lengths and block tables
     logits_rows: np.ndarray  # flat token rows whose next token is chosen this step
     # Prefix K/V copied slot to slot (block * block_size + offset) before the forward; empty: none.
     kv_copy_src: np.ndarray
@@ -72,18 +70,16 @@ class DeviceStep:
     window_kv_copy: tuple[torch.Tensor, torch.Tensor] | None  # ... in the sliding layers' own pool
 
 
-def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_groups: int = MAX_DECODE_GROUPS,
-                    window: int | None = None, window_pool: bool = False,
-                    as_sequences: bool = False) -> tuple[HostStep, list[ScheduledSeq]]:
+def build_host_step(scheduled: list[ScheduledSeq], block_size: int, window: int | None = None,
+                    window_pool: bool = False, with_groups: bool = False) -> tuple[HostStep, list[ScheduledSeq]]:
     """The step's flat inputs, and the sequences that choose a token (in logits-row order; a sequence
     with a speculative draft once per row of it).
 
-    The sequences go to attention as groups with masks, or (`as_sequences`: the device backend's
-    kernels take lengths and block tables) as `seqs`.
-    `max_decode_groups`: the device backend's (1 suits a kernel that skips padding instead of gathering it).
-    `window`: the model has sliding-window layers, which attend to each query's last `window`
-    positions only; each group then also carries that mask. `window_pool`: their K/V live in a pool
-    of their own (scheduling/window_pool.py), with the sequences' `window_block_table`s.
+    The sequences reach attention as lengths and block tables (`seqs`); `with_groups` adds them as
+    groups with masks too, the form our CPU kernels read (the decodes one group, the prompt chunks
+    another). `window`: the model has sliding-window layers, which attend to each query's last
+    `window` positions only; each group then also carries that mask. `window_pool`: their K/V live in
+    a pool of their own (scheduling/window_pool.py), with the sequences' `window_block_table`s.
     """
     bs = block_size
     decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
@@ -116,10 +112,9 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int, max_decode_g
         positions=np.concatenate(positions).astype(np.int64),
         slot_mapping=np.concatenate(slots).astype(np.int64),
         window_slot_mapping=np.concatenate(window_slots).astype(np.int64) if window_pool else None,
-        decode=[] if as_sequences else [_group(part, offset, bs, window, window_pool)
-                                        for part, offset in split_by_length(decodes, bs, max_decode_groups)],
-        prefill=_group(prefills, len(decodes), bs, window, window_pool) if prefills and not as_sequences else None,
-        seqs=_sequences(decodes + prefills, len(decodes), bs, window_pool) if as_sequences else None,
+        decode=[_group(decodes, 0, bs, window, window_pool)] if decodes and with_groups else [],
+        prefill=_group(prefills, len(decodes), bs, window, window_pool) if prefills and with_groups else None,
+        seqs=_sequences(decodes + prefills, len(decodes), bs, window_pool),
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
         **_kv_copy_slots([c for s in scheduled for c in s.kv_copies], bs),
     )
@@ -134,8 +129,8 @@ def _sequences(items: list[ScheduledSeq], num_decodes: int, bs: int, window_pool
     def tables(of) -> np.ndarray:
         out = np.zeros((len(items), max_blocks), dtype=np.int32)
         for i, (it, n) in enumerate(zip(items, seq_lens)):
-            row = np.asarray(of(it.seq)[:-(-n // bs)])
-            out[i, :len(row)] = np.maximum(row, 0)  # -1: behind a sliding window, which the kernel skips
+            row = of(it.seq)[:-(-n // bs)]
+            out[i, :len(row)] = row  # -1: a block given back (behind a window, or pruned by kv_window)
         return out
 
     return HostSeqs(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), np.asarray(seq_lens, dtype=np.int32),
@@ -153,39 +148,6 @@ def _kv_copy_slots(copies: list[KVCopy], bs: int) -> dict[str, np.ndarray]:
         slots[f"{prefix}kv_copy_src"] = np.concatenate(src).astype(np.int64) if pool else empty
         slots[f"{prefix}kv_copy_dst"] = np.concatenate(dst).astype(np.int64) if pool else empty
     return slots
-
-
-def split_by_length(decodes: list[ScheduledSeq], block_size: int,
-                    max_groups: int = MAX_DECODE_GROUPS) -> list[tuple[list[ScheduledSeq], int]]:
-    """Cut the length-sorted decodes into up to `max_groups` groups gathering the fewest blocks.
-
-    Every sequence of a group is padded to the group's longest context: with mixed lengths one
-    group gathers far more K/V than the sequences hold. A group costs a fixed GROUP_COST_BLOCKS on
-    top of the blocks it gathers; the cuts minimising the total are found by dynamic programming
-    over the sorted lengths (64 sequences x 4 groups: microseconds).
-    """
-    if not decodes:
-        return []
-    blocks = [-(-(d.seq.num_computed_tokens + 1) // block_size) for d in decodes]
-    n = len(blocks)
-    inf = float("inf")
-    # best[k][j]: least cost of the first j sequences in k groups; cut[k][j]: where the last group starts
-    best = [[inf] * (n + 1) for _ in range(max_groups + 1)]
-    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
-    best[0][0] = 0
-    for k in range(1, max_groups + 1):
-        for j in range(1, n + 1):
-            for i in range(k - 1, j):
-                cost = best[k - 1][i] + (j - i) * blocks[j - 1] + GROUP_COST_BLOCKS
-                if cost < best[k][j]:
-                    best[k][j], cut[k][j] = cost, i
-    k = min(range(1, max_groups + 1), key=lambda g: best[g][n])
-    bounds, j = [], n
-    while k > 0:
-        i = cut[k][j]
-        bounds.append((i, j))
-        j, k = i, k - 1
-    return [(decodes[i:j], i) for i, j in reversed(bounds)]
 
 
 def _group(items: list[ScheduledSeq], token_offset: int, bs: int, window: int | None = None,
@@ -248,7 +210,7 @@ def to_device(host: HostStep, device: torch.device) -> DeviceStep:
             slot_mapping=window_slot_mapping if sliding and window_slot_mapping is not None else slot_mapping,
             decode=[group(g, sliding) for g in host.decode],
             prefill=group(host.prefill, sliding) if host.prefill is not None else None,
-            seqs=sequences(host.seqs, sliding) if host.seqs is not None else None,
+            seqs=sequences(host.seqs, sliding),
         )
 
     slot_mapping = to(host.slot_mapping)
@@ -256,6 +218,7 @@ def to_device(host: HostStep, device: torch.device) -> DeviceStep:
     meta = metadata()
     groups = host.decode + ([host.prefill] if host.prefill is not None else [])
     if (groups and groups[0].window_mask is not None) or window_slot_mapping is not None:
+        # The sliding layers' own groups with window masks, and (with a window pool) its slots and tables.
         meta.sliding = metadata(sliding=True)
     kv_copy = (to(host.kv_copy_src), to(host.kv_copy_dst)) if len(host.kv_copy_src) else None
     window_kv_copy = (to(host.window_kv_copy_src), to(host.window_kv_copy_dst)) if len(host.window_kv_copy_src) else None

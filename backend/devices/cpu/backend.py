@@ -49,8 +49,7 @@ class CpuBackend(DeviceBackend):
         if self.gemm != options.gemm:
             logger.warning("cpu_gemm=%s cannot run for %s on this CPU and build: using %s", options.gemm,
                            str(dtype).removeprefix("torch."), self.gemm)
-        # The attention kernel skips a short sequence's padding instead of gathering it: one decode group.
-        self.max_decode_groups = 1 if self.kernels else DeviceBackend.max_decode_groups
+        self.takes_groups = self.kernels  # the attention kernel reads groups with masks
         # Our kernels compute every row alike whatever the batch; oneDNN and MKL may not.
         self.exact_rows = self.kernels and self.gemm == "avx512"
         self.screen: GreedyScreen | None = None

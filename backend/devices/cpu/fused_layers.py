@@ -50,7 +50,7 @@ class FusedPagedAttention(PagedAttention):
         k_cache, v_cache = kv_cache
         q = kernels.rope_write_kv(qkv, *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads)
         if self.softcap is not None:
-            return paged_attention(q, k_cache, v_cache, meta, self.scale, self.softcap)
+            return paged_attention(q, k_cache, v_cache, meta.seqs, self.scale, self.softcap, self.window)
         return kernel_attention(q, k_cache, v_cache, meta, self.scale)
 
 

@@ -68,7 +68,7 @@ class CudaBackend(DeviceBackend):
             for module in model.modules():
                 if isinstance(module, FlashInferAttention):
                     module.plans = self.plans
-            self.kv_layout, self.takes_sequences = TOKEN_MAJOR, True
+            self.kv_layout, self.skips_pruned_blocks = TOKEN_MAJOR, False
         return model
 
     def capture(self, model: nn.Module, kv_caches, num_window_blocks: int) -> None:

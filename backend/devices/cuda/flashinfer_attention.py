@@ -45,7 +45,8 @@ def paged_kv_csr(seqs: SequenceBatch, block_size: int) -> tuple[np.ndarray, np.n
     lens = np.asarray(seqs.seq_lens_host, dtype=np.int64)
     pages = -(-lens // block_size)
     indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    indices = np.concatenate([seqs.block_table_host[i, :n] for i, n in enumerate(pages)]).astype(np.int32)
+    # A block given back (-1) lies behind the layer's window, which the kernel does not read.
+    indices = np.concatenate([seqs.block_table_host[i, :n] for i, n in enumerate(pages)]).clip(min=0).astype(np.int32)
     return indptr, indices, (lens - (pages - 1) * block_size).astype(np.int32)
 
 

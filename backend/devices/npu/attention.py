@@ -37,10 +37,12 @@ class NpuAttention(PagedAttention):
                                          key_cache=k_cache, value_cache=v_cache,
                                          slot_indices=meta.slot_mapping.to(torch.int32))
         seqs = meta.seqs
+        if "npu_block_table" not in seqs.plans:  # blocks given back (-1) lie behind the window it does not read
+            seqs.plans["npu_block_table"] = seqs.block_table.clamp(min=0)
         num_blocks, block_size = k_cache.shape[:2]
         out, _ = torch_npu.npu_fused_infer_attention_score(
             qk[:, :q_end].contiguous(), k_cache.view(num_blocks, block_size, -1),
-            v_cache.view(num_blocks, block_size, -1), atten_mask=self.mask, block_table=seqs.block_table,
+            v_cache.view(num_blocks, block_size, -1), atten_mask=self.mask, block_table=seqs.plans["npu_block_table"],
             input_layout="TND", block_size=block_size, actual_seq_lengths=seqs.query_start_loc_host[1:],
             actual_seq_lengths_kv=seqs.seq_lens_host, num_key_value_heads=self.num_kv_heads,
             num_heads=self.num_heads, scale=self.scale, sparse_mode=3)

@@ -45,7 +45,7 @@ class NpuBackend(DeviceBackend):
             for module in layers:
                 module.__class__ = NpuAttention
                 module.mask = mask
-            self.kv_layout, self.takes_sequences = TOKEN_MAJOR, True
+            self.kv_layout, self.skips_pruned_blocks = TOKEN_MAJOR, False
         return model
 
     def describe(self) -> str:
