@@ -118,6 +118,7 @@ def test_a_dead_server_leaves_the_balancer_and_rejoins_after_it_heals(tmp_path):
                    "--restart-backoff", "0.5")
     b = Supervised(make_repository(tmp_path / "repo_b", with_minilm=False, **params), tmp_path / "b.log")
     balancer = locust = None
+    locust_log = open(tmp_path / "locust.log", "ab")
     try:
         _start_both(a, b)
         balancer = Balancer(a, b, tmp_path / "haproxy.log")
@@ -130,7 +131,7 @@ def test_a_dead_server_leaves_the_balancer_and_rejoins_after_it_heals(tmp_path):
              "--host", f"127.0.0.1:{balancer.grpc_port}", "-u", "4", "-r", "4", "-t", "600s",
              "--soak-http", f"127.0.0.1:{balancer.http_port}", "--soak-kinds", "stream,whole",
              "--soak-log", str(log), "--soak-timeout", "60", "--only-summary", "--loglevel", "WARNING"],
-            cwd=REPO, stdout=open(tmp_path / "locust.log", "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            cwd=REPO, stdout=locust_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
         # Both servers take requests through the balancer; then one that surely is on a, sent to it directly.
         _wait(lambda: _finished(a) >= 2 and _finished(b) >= 2, 120, "both servers serving through the balancer")
@@ -159,6 +160,7 @@ def test_a_dead_server_leaves_the_balancer_and_rejoins_after_it_heals(tmp_path):
                 locust.wait(60)
             except subprocess.TimeoutExpired:
                 locust.kill()
+        locust_log.close()
         if balancer is not None:
             balancer.stop()
         for server in (a, b):
