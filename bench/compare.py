@@ -234,7 +234,7 @@ class Comparison:
     # ---- machine limits ------------------------------------------------------------------------
     def run_machine(self) -> None:
         import roofline
-        from hf_baselines import chat_token_ids
+        from hf_baselines import prompt_token_ids
         from tritonllm_client.workload import build_requests
 
         a = self.args
@@ -244,7 +244,7 @@ class Comparison:
             m["gemm"] = roofline.gemm_rates(a.threads)
             m["kv"] = roofline.kv_bytes_per_token(self.model_dir)
             if a.decode_steps > 0:
-                prompts = [chat_token_ids(self.tokenizer, s.prompt)
+                prompts = [prompt_token_ids(self.tokenizer, s.prompt, self.scenario.chat_template)
                            for s in build_requests(self.scenario, max(a.decode_batch, len(self.specs)))]
                 m["decode_step"] = roofline.decode_step(self.model_dir, a.threads, prompts[:a.decode_batch],
                                                         batch=a.decode_batch, steps=a.decode_steps)
@@ -261,7 +261,7 @@ class Comparison:
         from tritonllm_client.report import summarize
 
         a = self.args
-        hf = HFBaseline(self.model_dir, a.threads)
+        hf = HFBaseline(self.model_dir, a.threads, self.scenario.chat_template)
         hf.warm_up()
 
         def finish(name: str, desc: str, results, info: dict, measured: set[int], **row_kw) -> None:
@@ -297,10 +297,10 @@ class Comparison:
     # ---- peers ---------------------------------------------------------------------------------
     def run_peers(self, which: list[str]) -> None:
         import peer_servers as peers
-        from hf_baselines import chat_token_ids
+        from hf_baselines import prompt_token_ids
 
         a = self.args
-        ids = [chat_token_ids(self.tokenizer, s.prompt) for s in self.specs]
+        ids = [prompt_token_ids(self.tokenizer, s.prompt, self.scenario.chat_template) for s in self.specs]
         specs = []
         if "vllm" in which:
             specs.append(peers.vllm_spec(a.vllm_python, self.model_dir, a.threads, a.vllm_max_num_seqs, 2048,

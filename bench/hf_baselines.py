@@ -35,6 +35,14 @@ def chat_token_ids(tokenizer, prompt: str) -> list[int]:
                                               tokenize=True, return_dict=False))
 
 
+def prompt_token_ids(tokenizer, prompt: str, chat_template: bool) -> list[int]:
+    """The token ids our engine makes of a scenario's prompt: in the chat template where the scenario
+    says `chat_template: true`, else the text as it is (`apply_chat_template=False`)."""
+    if chat_template:
+        return chat_token_ids(tokenizer, prompt)
+    return list(tokenizer.encode(prompt, add_special_tokens=True))
+
+
 class _TokenClock(BaseStreamer):
     """Records when `generate` produces each step's tokens (put() gets the prompt first, then each step)."""
 
@@ -66,8 +74,9 @@ class Service:
 class HFBaseline:
     """A loaded transformers model and tokenizer, run with exact output lengths."""
 
-    def __init__(self, model_dir: Path, threads: int):
+    def __init__(self, model_dir: Path, threads: int, chat_template: bool = True):
         torch.set_num_threads(threads)
+        self.chat_template = chat_template
         started = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -91,7 +100,7 @@ class HFBaseline:
     def serve_one(self, spec: RequestSpec) -> Service:
         """Tokenize, generate exactly spec.max_tokens tokens, detokenize; timed from the start."""
         start = time.perf_counter()
-        ids = torch.tensor([chat_token_ids(self.tokenizer, spec.prompt)])
+        ids = torch.tensor([prompt_token_ids(self.tokenizer, spec.prompt, self.chat_template)])
         clock = _TokenClock()
         out = self._generate(ids, torch.ones_like(ids), spec.max_tokens, clock)
         text = self.tokenizer.decode(out[0, ids.shape[1]:ids.shape[1] + spec.max_tokens], skip_special_tokens=True)
@@ -138,7 +147,7 @@ class HFBaseline:
         """Static batches over prompts sorted by length; every prompt is there at t=0."""
         results: list[Optional[GenerationResult]] = [None] * len(specs)
         start = time.perf_counter()
-        ids = [chat_token_ids(self.tokenizer, s.prompt) for s in specs]
+        ids = [prompt_token_ids(self.tokenizer, s.prompt, self.chat_template) for s in specs]
         order = sorted(range(len(specs)), key=lambda i: len(ids[i]))
         num_batches = -(-len(order) // batch_size)
         for b in range(num_batches):
