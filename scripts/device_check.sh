@@ -49,3 +49,8 @@ for scenario in burst seed_replay_saturating; do
   python bench/compare.py --scenario "loadtest/scenarios/$scenario.yaml" --systems ours,vllm --concurrency none \
     --decode-steps 0 --ours-config "$device" "${vllm_args[@]}" --out "$out/$scenario" 2>&1 | tee "$out/$scenario.log"
 done
+# The engine without a server against transformers on the same device (and its reference attention).
+variant=cuda_attention=torch
+[ "$device" = npu ] && variant=npu_attention=torch
+python bench/offline_engine.py --device "$device" --dtype bfloat16 --variant "$variant" \
+  loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine.log"

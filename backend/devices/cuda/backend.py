@@ -27,6 +27,8 @@ from tritonllm.models.moe import SparseMoeMLP
 
 logger = logging.getLogger(__name__)
 
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+
 
 def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
@@ -45,7 +47,13 @@ class CudaBackend(DeviceBackend):
         self.num_ranks = config.parallel.tensor_parallel_size
         self.attention = "torch"
         if self.options.attention != "torch":
-            if flashinfer_available():
+            if dtype not in FLASHINFER_DTYPES:
+                # FlashInfer's kernels take half-precision queries only: float32 runs the reference.
+                if self.options.attention == "flashinfer":
+                    raise ValueError(f"cuda_attention=flashinfer needs dtype float16 or bfloat16, not {dtype}")
+                logger.info("dtype %s: the torch reference attention runs (FlashInfer takes float16 and "
+                            "bfloat16)", dtype)
+            elif flashinfer_available():
                 self.attention = "flashinfer"
             elif self.options.attention == "flashinfer":
                 raise RuntimeError("cuda_attention=flashinfer, but flashinfer is not installed: pip install .[cuda]")

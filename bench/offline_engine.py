@@ -1,0 +1,137 @@
+"""Our engine offline (no server) against transformers on the same device, dtype and prompt tokens.
+
+For a machine where no tritonserver runs (a GPU machine without the Triton wheel, say): a scenario's
+requests all submitted at once to `Engine.generate`, timed from submission to the last token, beside
+- our engine again with other parameters (`--variant`, e.g. `cuda_attention=torch` for the torch
+  reference attention on a GPU),
+- transformers' static batching: every prompt in one left-padded `generate` call,
+- transformers' serial `generate`, one request at a time, measured on every `--serial-every`-th request
+  and extrapolated per output token to all of them.
+Greedy, exact lengths (`min_tokens` = `max_tokens`, EOS banned as transformers' `min_new_tokens` bans it).
+Each system runs once warm. Printed: seconds, output tokens/s, ratios, and how many outputs agree
+token for token with transformers' static batch.
+
+  python bench/offline_engine.py --device cuda --dtype bfloat16 --variant cuda_attention=torch \\
+      loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tritonllm.engine.engine import Engine
+from tritonllm.models.model_files import resolve_model_dir
+from tritonllm_client.workload import build_requests, load_scenario
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def run_ours(model_dir: str, device: str, dtype: str, ids, maxes, params: dict) -> tuple[float, list, str]:
+    engine = Engine(model=model_dir, device=device, dtype=dtype, max_num_seqs=256, max_model_len=2048,
+                    max_num_batched_tokens=4096, **params)
+    backend = engine.runner.backend.describe()
+    engine.generate(prompt_token_ids=ids[:8], params={"max_tokens": 16, "ignore_eos": True})  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    outs = engine.generate(prompt_token_ids=ids,
+                           params=[{"max_tokens": m, "min_tokens": m, "ignore_eos": True} for m in maxes])
+    _sync(device)
+    seconds = time.perf_counter() - start
+    engine.close()
+    del engine
+    _free(device)
+    return seconds, [o.token_ids for o in outs], backend
+
+
+def run_transformers(model_dir: str, device: str, dtype: str, ids, maxes, serial_every: int):
+    """(static batch seconds, its tokens per request, serial seconds extrapolated to every request)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def generate(rows: list[int]) -> dict[int, list[int]]:
+        width = max(len(ids[i]) for i in rows)
+        x = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in rows], device=device)
+        new = max(maxes[i] for i in rows)  # static batching: the longest output for every row
+        with torch.inference_mode():
+            y = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, pad_token_id=pad)
+        return {i: y[r, width:width + maxes[i]].tolist() for r, i in enumerate(rows)}
+
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    generate(order[:8])  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    got = generate(order)
+    _sync(device)
+    static = time.perf_counter() - start
+    sample = order[::serial_every]
+    start = time.perf_counter()
+    for i in sample:
+        generate([i])
+    _sync(device)
+    per_token = (time.perf_counter() - start) / sum(maxes[i] for i in sample)
+    del model
+    _free(device)
+    return static, [got[i] for i in range(len(ids))], per_token * sum(maxes)
+
+
+def _params(pairs: list[str]) -> dict:
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("scenarios", nargs="+", help="loadtest/scenarios/*.yaml")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--param", action="append", default=[], help="engine parameter for ours, name=value")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="a second run of ours with this parameter changed, name=value (repeatable, all in one run)")
+    ap.add_argument("--serial-every", type=int, default=16)
+    args = ap.parse_args()
+    model_dir = str(resolve_model_dir(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for path in args.scenarios:
+        scenario = load_scenario(path)
+        specs = build_requests(scenario)
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": s.prompt}], add_generation_prompt=True,
+                                               tokenize=False) if scenario.chat_template else s.prompt for s in specs]
+        ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        maxes = [s.max_tokens for s in specs]
+        total = sum(maxes)
+        print(f"== {scenario.name} on {args.device} ({args.dtype}): {len(ids)} requests at once, "
+              f"{sum(map(len, ids))} prompt tokens, {total} output tokens", flush=True)
+        base = _params(args.param)
+        runs = {"ours": run_ours(model_dir, args.device, args.dtype, ids, maxes, base)}
+        if args.variant:
+            runs["ours " + " ".join(args.variant)] = run_ours(model_dir, args.device, args.dtype, ids, maxes,
+                                                            {**base, **_params(args.variant)})
+        static, static_tokens, serial = run_transformers(model_dir, args.device, args.dtype, ids, maxes,
+                                                         args.serial_every)
+        for name, (seconds, tokens, backend) in runs.items():
+            same = sum(a == b for a, b in zip(tokens, static_tokens))
+            print(f"  {name:32s} {seconds:8.3f} s {total / seconds:8.0f} tok/s   {static / seconds:5.2f}x static, "
+                  f"{serial / seconds:6.1f}x serial; {same}/{len(ids)} equal to static  [{backend}]", flush=True)
+        print(f"  {'transformers static batch':32s} {static:8.3f} s {total / static:8.0f} tok/s")
+        print(f"  {'transformers serial (sampled)':32s} {serial:8.3f} s {total / serial:8.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
