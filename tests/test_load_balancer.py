@@ -170,9 +170,11 @@ def test_a_dead_server_leaves_the_balancer_and_rejoins_after_it_heals(tmp_path):
     assert not [r for r in records if r["outcome"] in ("lost", "extra")], "a request without exactly one FINAL or error"
     failed = [r for r in records if r["outcome"] != "ok"]
     assert all("model 'smollm2' is unavailable" in r["error"] for r in failed), [r["error"] for r in failed]
-    # Requests that were on a when it died end with an error naming the death ...
+    # Requests that were on a when it died end with an error naming the death; so does one that reached a in
+    # the few tens of ms before its supervisor saw the death (it went into the dead stub) ...
     lost_in_a = [r for r in failed if "the request was lost in it" in r["error"]]
-    assert all(r["start"] < killed_at for r in lost_in_a), [(r["start"] - killed_at, r["error"]) for r in lost_in_a]
+    assert all(r["start"] < killed_at or r["start"] < down_at and r["elapsed_s"] < 1 for r in lost_in_a), \
+        [(r["start"] - killed_at, r["elapsed_s"]) for r in lost_in_a]
     # ... and the only others to fail reached it between the death and the balancer's next check: refused at
     # once, never started. None fails once it is out of rotation.
     refused = [r for r in failed if r not in lost_in_a]
