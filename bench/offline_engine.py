@@ -86,8 +86,6 @@ def run_transformers(model_dir: str, device: str, dtype: str, ids, maxes, serial
         generate([i])
     _sync(device)
     per_token = (time.perf_counter() - start) / sum(maxes[i] for i in sample)
-    del model
-    _free(device)
     return static, [got[i] for i in range(len(ids))], per_token * sum(maxes)
 
 
@@ -125,6 +123,7 @@ def main() -> None:
                                                             {**base, **_params(args.variant)})
         static, static_tokens, serial = run_transformers(model_dir, args.device, args.dtype, ids, maxes,
                                                          args.serial_every)
+        _free(args.device)  # the transformers model is gone with run_transformers' frame
         for name, (seconds, tokens, backend) in runs.items():
             same = sum(a == b for a, b in zip(tokens, static_tokens))
             print(f"  {name:32s} {seconds:8.3f} s {total / seconds:8.0f} tok/s   {static / seconds:5.2f}x static, "

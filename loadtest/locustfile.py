@@ -25,18 +25,17 @@ import grpc.experimental.gevent as grpc_gevent
 
 grpc_gevent.init_gevent()
 
-import atexit  # noqa: E402
 import itertools  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gevent  # noqa: E402
 from locust import User, events, task  # noqa: E402
 
+from tritonllm_client.locust_exit import exit_before_finalizers  # noqa: E402
 from tritonllm_client.stream import (  # noqa: E402
     DEFAULT_MODEL,
     DEFAULT_URL,
@@ -105,23 +104,8 @@ def _on_test_start(environment, **_kw):
 
 @events.quit.add_listener
 def _exit_without_finalizers(exit_code, **_kw):
-    """Leave the process as soon as Locust has written its stats, without interpreter finalization.
-
-    Every user's channel is already closed in `on_stop`, but tritonclient closes its channel again
-    from `__del__` when the interpreter tears down, and under grpc's gevent integration that close
-    can block forever (seen: `Channel._close` from `InferenceServerClient.__del__`, after the run's
-    summary and CSVs were done). atexit hooks run after Locust's `sys.exit` has closed its CSV
-    files and before finalizers, so exiting there keeps the exit code and loses nothing.
-    """
-    def _exit():
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream has nothing left to flush
-                pass
-        os._exit(exit_code)
-
-    atexit.register(_exit)
+    """tritonclient's channel close at interpreter teardown can block for ever under gevent (locust_exit.py)."""
+    exit_before_finalizers(exit_code)
 
 
 @events.test_stop.add_listener

@@ -25,12 +25,9 @@ import grpc.experimental.gevent as grpc_gevent
 
 grpc_gevent.init_gevent()
 
-import atexit  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import random  # noqa: E402
-import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -39,6 +36,7 @@ import requests  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
 from locust import User, events, task  # noqa: E402
 
+from tritonllm_client.locust_exit import exit_before_finalizers  # noqa: E402
 from tritonllm_client.stream import describe_error  # noqa: E402
 
 WEIGHTS = {"stream": 8, "whole": 3, "cancel": 2, "invalid": 2, "long": 1, "n2": 2, "guided": 2, "embed": 3}
@@ -66,17 +64,8 @@ def _add_arguments(parser):
 
 @events.quit.add_listener
 def _exit_without_finalizers(exit_code, **_kw):
-    """Leave once Locust has written its stats: tritonclient's channel close from `__del__` at interpreter
-    teardown can block for ever under grpc's gevent integration (as in loadtest/locustfile.py)."""
-    def _exit():
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream has nothing left to flush
-                pass
-        os._exit(exit_code)
-
-    atexit.register(_exit)
+    """tritonclient's channel close at interpreter teardown can block for ever under gevent (locust_exit.py)."""
+    exit_before_finalizers(exit_code)
 
 
 def _tensor(name, array, dtype):
