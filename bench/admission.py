@@ -33,7 +33,7 @@ from tritonllm.models.model_files import resolve_model_dir
 from tritonllm.engine.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_baselines import chat_token_ids  # noqa: E402
+from prompt_tokens import chat_token_ids  # noqa: E402
 
 SCENARIO = Path(__file__).resolve().parent.parent / "loadtest" / "scenarios" / "seed_replay.yaml"
 

@@ -234,7 +234,7 @@ class Comparison:
     # ---- machine limits ------------------------------------------------------------------------
     def run_machine(self) -> None:
         import roofline
-        from hf_baselines import prompt_token_ids
+        from prompt_tokens import prompt_token_ids
         from tritonllm_client.workload import build_requests
 
         a = self.args
@@ -297,7 +297,7 @@ class Comparison:
     # ---- peers ---------------------------------------------------------------------------------
     def run_peers(self, which: list[str]) -> None:
         import peer_servers as peers
-        from hf_baselines import prompt_token_ids
+        from prompt_tokens import prompt_token_ids
 
         a = self.args
         ids = [prompt_token_ids(self.tokenizer, s.prompt, self.scenario.chat_template) for s in self.specs]
@@ -317,7 +317,7 @@ class Comparison:
             self.run_guarded(spec.name, spec.description, lambda spec=spec: self.run_peer(spec, ids))
 
     def run_peer(self, spec, ids: list[list[int]]) -> None:
-        from hf_baselines import chat_token_ids
+        from prompt_tokens import chat_token_ids
         from openai_stream import OpenAIPool
         from peer_servers import SERVED_MODEL_NAME, start_on_free_port
         from tritonllm_client.bench import _params_for, run_requests

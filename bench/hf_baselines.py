@@ -25,22 +25,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation import BaseStreamer
 
+from prompt_tokens import chat_token_ids, prompt_token_ids
 from tritonllm_client.stream import GenerationResult
 from tritonllm_client.workload import RequestSpec
-
-
-def chat_token_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt in the model's chat template, as our engine builds it (`apply_chat_template=True`)."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
-
-
-def prompt_token_ids(tokenizer, prompt: str, chat_template: bool) -> list[int]:
-    """The token ids our engine makes of a scenario's prompt: in the chat template where the scenario
-    says `chat_template: true`, else the text as it is (`apply_chat_template=False`)."""
-    if chat_template:
-        return chat_token_ids(tokenizer, prompt)
-    return list(tokenizer.encode(prompt, add_special_tokens=True))
 
 
 class _TokenClock(BaseStreamer):

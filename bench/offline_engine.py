@@ -24,6 +24,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from prompt_tokens import prompt_token_ids
 from tritonllm.engine.engine import Engine
 from tritonllm.models.model_files import resolve_model_dir
 from tritonllm_client.workload import build_requests, load_scenario
@@ -109,9 +110,7 @@ def main() -> None:
     for path in args.scenarios:
         scenario = load_scenario(path)
         specs = build_requests(scenario)
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": s.prompt}], add_generation_prompt=True,
-                                               tokenize=False) if scenario.chat_template else s.prompt for s in specs]
-        ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        ids = [prompt_token_ids(tokenizer, s.prompt, scenario.chat_template) for s in specs]
         maxes = [s.max_tokens for s in specs]
         total = sum(maxes)
         print(f"== {scenario.name} on {args.device} ({args.dtype}): {len(ids)} requests at once, "
