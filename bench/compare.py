@@ -158,7 +158,7 @@ class Comparison:
     # ---- ours ----------------------------------------------------------------------------------
     def run_ours(self, name: str = "ours", overrides: dict[str, str] | None = None, sweep: bool = True) -> None:
         """Our server (or the running one at --ours-url, for "ours"): the replay, then the sweep."""
-        from ours_server import MODEL_NAME, our_server
+        from ours_server import MODEL_NAME, config_parameter, our_server
         from tritonllm_client.bench import run_bench
 
         a = self.args
@@ -166,11 +166,13 @@ class Comparison:
         if a.ours_url and name == "ours":
             desc = f"tritonllm on the running server at {a.ours_url}, tritonclient gRPC streaming"
         else:
-            dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(params.get("dtype", ""), "fp32")  # CPU auto = fp32
+            config = f"configs/{a.ours_config}.pbtxt" if a.ours_config else "config.pbtxt"
+            dtype = params.get("dtype") or config_parameter(config, "dtype") or ""
+            dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, "fp32")  # CPU auto = fp32
             if params.get("cpu_gemm") == "avx512_bf16":
                 dtype += " with bf16 GEMM operands"
-            desc = (f"tritonllm on tritonserver (nvidia-pytriton 0.7.0), {dtype}, tritonclient gRPC streaming; "
-                    + ", ".join(f"{k}={v}" for k, v in params.items()))
+            desc = (f"tritonllm on tritonserver (nvidia-pytriton 0.7.0), {config}, {dtype}, tritonclient gRPC "
+                    "streaming; " + ", ".join(f"{k}={v}" for k, v in params.items()))
 
         def measure(url: str, ready_s):
             bench = run_bench(url, MODEL_NAME, self.scenario, num_requests=len(self.specs), timeout_s=a.timeout,

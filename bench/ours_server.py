@@ -30,6 +30,13 @@ def set_parameter(config_text: str, key: str, value: str) -> str:
     return config_text.rstrip("\n") + "\n" + entry + "\n"
 
 
+def config_parameter(config: str, key: str) -> str | None:
+    """A string parameter of model_repository/smollm2/`config` (e.g. "configs/cuda.pbtxt"), or None."""
+    text = (REPO / "model_repository" / MODEL_NAME / config).read_text()
+    found = re.search(r'parameters:\s*\{\s*key:\s*"' + re.escape(key) + r'"\s*,?\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+    return found.group(1) if found else None
+
+
 def prepare_repository(dest: Path, params: dict[str, str], config_name: str | None = None) -> Path:
     """Copy model_repository/smollm2 into `dest` with `params` set in its config.pbtxt; returns `dest`.
     `config_name`: the variant configs/<name>.pbtxt (e.g. cuda) becomes its config.pbtxt."""

@@ -118,7 +118,7 @@ class TritonPythonModel:
         self._stopping = threading.Event()
         self._responder = threading.Thread(target=self._respond_loop, name="tritonllm-embed-responses", daemon=True)
         self._responder.start()
-        logger.info("embedding model %s ready: device=%s dtype=%s dim=%d (verified paths: cpu)",
+        logger.info("embedding model %s ready: device=%s dtype=%s dim=%d",
                     self.model_name, self.engine.device, self.engine.dtype, self.engine.dim)
 
     def execute(self, requests) -> None:

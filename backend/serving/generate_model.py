@@ -134,7 +134,7 @@ class TritonPythonModel:
         self._death_reported = False  # the engine died and the model is unloading itself (engine_health.py)
         self._responder = threading.Thread(target=self._respond_loop, name="tritonllm-responses", daemon=True)
         self._responder.start()
-        logger.info("model %s instance %s ready in %.1f s: device=%s dtype=%s kv_blocks=%d (verified paths: cpu)",
+        logger.info("model %s instance %s ready in %.1f s: device=%s dtype=%s kv_blocks=%d",
                     self.model_name, self.instance_name, time.perf_counter() - started, self.engine.device,
                     self.engine.dtype, self.engine.runner.num_blocks)
 
