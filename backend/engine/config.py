@@ -205,8 +205,11 @@ class ServingConfig:
 
     enable_metrics: bool = True  # Triton /metrics families
     log_level: str = "info"  # debug adds one line per finished request with its timestamps
+    # Threads sending responses to tritonserver, each send a round trip (serving/response_lanes.py).
+    response_threads: int = 4
 
     def __post_init__(self) -> None:
+        _non_negative(self, "response_threads")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

@@ -35,6 +35,7 @@ from tritonllm.serving import engine_health, orphan_guard
 from tritonllm.serving.model_io import GENERATE_INPUTS, GENERATE_OUTPUTS, complete_config, missing_inputs_error
 from tritonllm.serving.request_parsing import parse_request
 from tritonllm.serving.response_assembly import ResponseAssembler
+from tritonllm.serving.response_lanes import ResponseLanes
 from tritonllm.engine.sampling_params import InvalidRequestError
 
 logger = logging.getLogger("tritonllm")
@@ -80,12 +81,13 @@ def _response_parameters_supported() -> bool:
 class _Active:
     """A request the response thread is serving."""
 
-    __slots__ = ("request_id", "sender", "assembler", "cancelled")
+    __slots__ = ("request_id", "sender", "assembler", "lane", "cancelled")
 
-    def __init__(self, request_id: str, sender, assembler: ResponseAssembler):
+    def __init__(self, request_id: str, sender, assembler: ResponseAssembler, lane: int):
         self.request_id = request_id
         self.sender = sender
         self.assembler = assembler
+        self.lane = lane  # every response of this request leaves through this lane (response_lanes.py)
         self.cancelled = False  # not streaming: aborted, its final response (what it had) on the way
 
 
@@ -132,6 +134,7 @@ class TritonPythonModel:
         self._pending: dict[str, _Active] = {}  # streams with n > 1 whose news wait for the step's last output
         self._stopping = threading.Event()
         self._death_reported = False  # the engine died and the model is unloading itself (engine_health.py)
+        self._lanes = ResponseLanes(config.serving.response_threads)
         self._responder = threading.Thread(target=self._respond_loop, name="tritonllm-responses", daemon=True)
         self._responder.start()
         logger.info("model %s instance %s ready in %.1f s: device=%s dtype=%s kv_blocks=%d",
@@ -161,7 +164,7 @@ class TritonPythonModel:
                 inputs[spec.name] = tensor.as_numpy()
         parsed = parse_request(inputs, request.parameters())
         assembler = ResponseAssembler(parsed, self.engine.tokenizer.decode, self.engine.config.scheduler.stream_interval)
-        active = _Active(uuid.uuid4().hex, sender, assembler)
+        active = _Active(uuid.uuid4().hex, sender, assembler, self._lanes.lane())
         # Registered before submitting: the first output may arrive before submit() returns.
         self._active[active.request_id] = active
         try:
@@ -225,7 +228,7 @@ class TritonPythonModel:
             self._pending.pop(active.request_id, None)
             if active.assembler.parsed.params.n > 1:
                 self.loop.abort(active.request_id)  # its other completions: nobody will hear them
-            self._send_error(active.sender, out.error, _ERROR_KINDS.get(out.error_kind, "unavailable"))
+            self._send_error(active.sender, out.error, _ERROR_KINDS.get(out.error_kind, "unavailable"), active.lane)
             return
         assembler = active.assembler
         assembler.add(out)
@@ -246,11 +249,11 @@ class TritonPythonModel:
             response = pb_utils.InferenceResponse(output_tensors=tensors, parameters=parameters)
         else:
             response = pb_utils.InferenceResponse(output_tensors=tensors)
+        flags = 0
         if assembler.finished:
             self._active.pop(active.request_id, None)
-            active.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        else:
-            active.sender.send(response)
+            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self._lanes.send(active.lane, active.sender, response, flags, on_failure=lambda _: self._failed(active))
 
     def _failed(self, active: _Active) -> None:
         logger.exception("sending a response for %s failed", active.request_id)
@@ -278,31 +281,29 @@ class TritonPythonModel:
             self._active.pop(request_id, None)
             self._pending.pop(request_id, None)
             code = getattr(pb_utils.TritonError, "CANCELLED", None)  # older stubs: an empty FINAL response
-            try:
-                if code is None:
-                    active.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                else:
-                    error = pb_utils.TritonError("Request was cancelled", code)
-                    active.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
-                                       flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            except Exception:  # noqa: BLE001 - the client is gone; nothing to tell it
-                pass
+            response = (None if code is None else
+                        pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError("Request was cancelled", code)))
+            # A failure is not logged: the client is gone, there is nothing to tell it.
+            self._lanes.send(active.lane, active.sender, response, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                             on_failure=lambda _: None)
 
-    def _send_error(self, sender, message: str, kind: str) -> None:
-        """A FINAL response carrying the error; kind: invalid_argument | unavailable | internal."""
+    def _send_error(self, sender, message: str, kind: str, lane: int = -1) -> None:
+        """A FINAL response carrying the error; kind: invalid_argument | unavailable | internal.
+        `lane`: the request's lane, after its responses already on the way (-1: at once)."""
         if self.metrics is not None:
             self.metrics.record_error(kind)
         code = {"invalid_argument": pb_utils.TritonError.INVALID_ARG, "unavailable": pb_utils.TritonError.UNAVAILABLE,
                 "internal": pb_utils.TritonError.INTERNAL}[kind]
         error = pb_utils.TritonError(message, code)
-        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._lanes.send(lane, sender, pb_utils.InferenceResponse(output_tensors=[], error=error),
+                         pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self) -> None:
         """Abort in-flight requests (each gets a final error response) and stop the threads."""
         self.loop.shutdown()
         self._stopping.set()
         self._responder.join(timeout=30)
+        self._lanes.close()
         if self.metrics is not None and not self._responder.is_alive():  # else it may still record
             self.metrics.close()
             self.metrics = None
