@@ -73,41 +73,58 @@ def _solve(blocks: torch.Tensor, m: torch.Tensor | None, span: torch.Tensor, lev
            q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(q in `q_dtype`, d) with d * q (+ m) == blocks bit for bit, else None. d is span / levels up to its
     own rounding: try its float16 value, that value's float16 neighbours, then the float32 quotient;
-    each block keeps the first that rebuilds it (for 4-bit blocks, with every d * q exact). Dense passes over the whole weight: most blocks take
-    the first candidate, and a pass over 1M values costs a few ms."""
-    bits = blocks.view(torch.int32)
+    each block keeps the first that rebuilds it (for 4-bit blocks, with every d * q exact). The first
+    candidate is tried on every block at once, and solves nearly all of them; the others only on the
+    blocks still unsolved, so a model's load pays about one dense pass per weight."""
+    shape = span.shape
+    flat, span = blocks.reshape(-1, BLOCK), span.reshape(-1)
+    m = None if m is None else m.reshape(-1)
+    bits = flat.view(torch.int32)
     d_half = (span / levels).to(torch.float16)
     candidates = [(d_half.view(torch.int16) + step).view(torch.float16).float() for step in (0, 1, -1, 2, -2)]
     candidates.append(span / levels)
-    base = blocks if m is None else blocks - m[..., None]
     d = torch.zeros_like(span)
-    q = torch.zeros_like(blocks)
-    solved = torch.zeros_like(span, dtype=torch.bool)
     zero_span = span == 0  # solved below, not by a scale
     q_range = (-128, 127) if q_dtype == torch.int8 else (0, 15)
-    for cand in candidates:
-        usable = torch.isfinite(cand) & (cand > 0) & ~zero_span & ~solved
-        cq = (base / torch.where(usable, cand, 1.0)[..., None]).round_().clamp_(*q_range)
-        rebuilt = cand[..., None] * cq  # then + m: two roundings, eager torch does not fuse them
+    todo = None  # the unsolved blocks' indices; None: every block (the first pass, without gathering)
+    for i, cand in enumerate(candidates):
+        rows, sub_m, sub_bits = (flat, m, bits) if todo is None else (flat[todo], None if m is None else m[todo], bits[todo])
+        if todo is not None:
+            cand = cand[todo]
+        usable = torch.isfinite(cand) & (cand > 0)
+        if todo is None:
+            usable &= ~zero_span
+        base = rows if sub_m is None else rows - sub_m[:, None]
+        cq = (base / torch.where(usable, cand, 1.0)[:, None]).round_().clamp_(*q_range)
+        rebuilt = cand[:, None] * cq  # then + m: two roundings, eager torch does not fuse them
         hit = usable
-        if m is not None:
-            hit = hit & _exact_products(cand, cq, rebuilt)
-            rebuilt = rebuilt + m[..., None]
-        hit = hit & (rebuilt.view(torch.int32) == bits).all(-1)
-        d = torch.where(hit, cand, d)
-        q = torch.where(hit[..., None], cq, q)
-        solved |= hit
-        if bool((solved | zero_span).all()):
+        if sub_m is not None:
+            if i == len(candidates) - 1:  # a float16 d times a 4-bit q is always exact; the quotient's may not be
+                hit = hit & _exact_products(cand, cq, rebuilt)
+            rebuilt = rebuilt + sub_m[:, None]
+        hit = hit & (rebuilt.view(torch.int32) == sub_bits).all(-1)
+        if todo is None:
+            # Unsolved blocks' codes are overwritten below or the weight is rejected; a block of one
+            # value got codes 0 (its span, all zeros, over a scale of 1).
+            d, q = torch.where(hit, cand, d), cq
+            todo = (~(hit | zero_span)).nonzero().squeeze(1)
+        else:
+            solved_here = todo[hit]
+            d[solved_here], q[solved_here] = cand[hit], cq[hit]
+            todo = todo[~hit]
+        if todo.numel() == 0:
             break
+    if todo.numel():
+        return None
     # Blocks of zeros (Q8_0: d = 0, q = -1 where the zero is -0.0, as 0 * -1 is) and of one repeated
     # value (Q4_1: q = 0 and d = 0, or -0.0 where m is -0.0, as +0.0 + -0.0 is +0.0).
     if m is None:
-        q = torch.where(zero_span[..., None] & torch.signbit(blocks), -1.0, q)
+        q = torch.where(zero_span[:, None] & torch.signbit(flat), -1.0, q)
     else:
         d = torch.where(zero_span & torch.signbit(m), -0.0, d)
-    solved |= zero_span
-    q = q.to(q_dtype)  # -0.0 codes become 0: the check below sees the integers the GEMM gets
-    if not bool(solved.all()) or not _rebuilds(blocks, q, d, m):  # the final word on every special case
+    q = q.to(q_dtype).view(blocks.shape)  # -0.0 codes become 0: the check below sees the integers the GEMM gets
+    d, m = d.view(shape), None if m is None else m.view(shape)
+    if not _rebuilds(blocks, q, d, m):  # the final word on every special case
         return None
     return q, d
 
@@ -116,7 +133,8 @@ def _rebuilds(blocks: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.T
     """Whether the blocks decode to the weight bit for bit, as the GEMM decodes them."""
     rebuilt = d[..., None] * q.float()
     if m is not None:
-        if not bool(_exact_products(d, q.float(), rebuilt).all()):
+        inexact = d != d.half().float()  # only these can have a d * q that is not exact
+        if bool(inexact.any()) and not bool(_exact_products(d[inexact], q[inexact].float(), rebuilt[inexact]).all()):
             return False
         rebuilt = rebuilt + m[..., None]
     return bool((rebuilt.view(torch.int32) == blocks.view(torch.int32)).all())
