@@ -10,7 +10,8 @@ import pytest
 from grpc_stream import StreamClient, make_inputs, metric, scrape
 
 # Small limits so two engines start fast and share the two cores without a fight.
-TWO_INSTANCES = dict(instance_count=2, warmup="false", num_kv_blocks=128, max_model_len=512, num_threads=1)
+TWO_INSTANCES = dict(instance_count=2, warmup="false", exact_block_weights="false", num_kv_blocks=128, max_model_len=512,
+                     num_threads=1)
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 PROMPTS = ["Once upon a time, in a small village by the river,", "The three laws of thermodynamics are",
            "def fibonacci(n):\n    ", "Q: What color is the sky on a clear day?\nA:"]

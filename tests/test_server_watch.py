@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from conftest import REPO
+from conftest import write_variant_repo
 from server_watch import diagnose, stub_pids
 
 pytestmark = pytest.mark.server
@@ -19,7 +19,10 @@ def test_a_frozen_stub_is_found_out_with_its_threads_stacks(tmp_path):
     aborts on a lock timeout once a stub that froze mid-exchange goes on.)"""
     from tritonllm.serving.launcher import TritonServer
 
-    server = TritonServer(REPO / "model_repository", log_path=tmp_path / "tritonserver.log",
+    from supervised import FAST  # the model's speed is not what this is about
+
+    repo = write_variant_repo(tmp_path / "repo", **FAST)
+    server = TritonServer(repo, log_path=tmp_path / "tritonserver.log",
                           extra_args=["--model-control-mode=explicit", "--load-model=smollm2"]).start()
     try:
         assert diagnose(server) is None

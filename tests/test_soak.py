@@ -1,4 +1,4 @@
-"""The soak, short: 70 seconds of loadtest/soak.py's mixed traffic against `tritonllm-serve` (docs/OPERATIONS.md
+"""The soak, short: 50 seconds of loadtest/soak.py's mixed traffic against `tritonllm-serve` (docs/OPERATIONS.md
 has the 30-minute command). Streamed and whole requests, cancellations, invalid requests, prompts at
 max_model_len, n = 2, guided requests and embeddings: every request ends with exactly one FINAL or one
 error, none with an error it did not ask for, the KV blocks are all free again at the end, and the
@@ -23,8 +23,8 @@ if importlib.util.find_spec("locust") is None:
 pytestmark = pytest.mark.server
 
 REPO = Path(__file__).resolve().parent.parent
-DURATION_S = 70
-WARMUP_S = 25  # every kind of request has run a few times by then (the allocator's pools are grown)
+DURATION_S = 50
+WARMUP_S = 20  # every kind of request has run a few times by then (the allocator's pools are grown)
 
 
 def test_a_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
