@@ -119,7 +119,8 @@ def test_served_minilm_config_has_every_tensor_and_the_embedding_size(minilm_ser
 def legacy_server(tmp_path_factory):
     """Both models, their config.pbtxt holding the old tensor block (small smollm2 limits: a fast start)."""
     root = tmp_path_factory.mktemp("legacy")
-    repo = write_variant_repo(root / "repo", warmup="false", num_kv_blocks=128, max_model_len=512)
+    repo = write_variant_repo(root / "repo", warmup="false", exact_block_weights="false", num_kv_blocks=128,
+                              max_model_len=512)
     _with_legacy_block(repo / "smollm2" / "config.pbtxt", LEGACY_SMOLLM2)
     shutil.copytree(REPO / "model_repository" / "minilm", repo / "minilm", ignore=shutil.ignore_patterns("__pycache__"))
     _with_legacy_block(repo / "minilm" / "config.pbtxt", LEGACY_MINILM)
