@@ -3,8 +3,9 @@
 auto_complete_config: the inputs, outputs and decoupled policy config.pbtxt leaves out (model_io.py).
 initialize: parameters -> EngineConfig, an engine thread, a response thread.
 execute:    validate and enqueue every request, return None (decoupled: responses come later).
-responses:  one thread sends each request's new text (streaming) or the whole text (not
-            streaming), and aborts requests whose client cancelled or went away.
+responses:  one thread turns each request's new text (streaming) or the whole text (not
+            streaming) into responses, which leave through the sender threads (response_lanes.py),
+            and aborts requests whose client cancelled or went away.
 finalize:   abort what is in flight, send their final responses, stop both threads.
 """
 
