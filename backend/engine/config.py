@@ -164,10 +164,17 @@ class CpuOptions:
     # kept in that form for steps of few rows: the same results from fewer bytes.
     exact_blocks: bool = parameter(True, "exact_block_weights")
     kernels: bool = parameter(True, "cpu_kernels")  # our C++ kernels: attention, fused layer ops, greedy head
-    greedy_screen: bool = True  # greedy ids through a bfloat16 LM head and a proven error bound
+    # Greedy ids through a bfloat16 LM head and a proven error bound. auto: where timed faster at load than
+    # the float32 head; true: always; false: never.
+    greedy_screen: str = "auto"
 
     def __post_init__(self) -> None:
         _one_of(self.gemm, CPU_GEMMS, "cpu_gemm")
+        # It was a boolean: True / False from Python callers, and config.pbtxt's spellings of one, still work.
+        screen = str(self.greedy_screen).strip().lower()
+        screen = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(screen, screen)
+        object.__setattr__(self, "greedy_screen", screen)
+        _one_of(self.greedy_screen, ("auto", "true", "false"), "greedy_screen")
 
 
 @dataclass(frozen=True)

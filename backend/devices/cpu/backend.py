@@ -23,7 +23,7 @@ from tritonllm.devices.backend import DeviceBackend
 from tritonllm.devices.cpu import kernels
 from tritonllm.devices.cpu.decoder_stack import DecoderStack
 from tritonllm.devices.cpu.fused_layers import use_fused_layers
-from tritonllm.devices.cpu.greedy_screen import GreedyScreen
+from tritonllm.devices.cpu.greedy_screen import GreedyScreen, screen_min_rows
 from tritonllm.devices.cpu.packed_linear import PackedLinear, PackedWeight, pack_linears, resolve_cpu_gemm, tune_blocks_max_rows
 from tritonllm.engine.config import CpuOptions
 
@@ -53,16 +53,17 @@ class CpuBackend(DeviceBackend):
         # Our kernels compute every row alike whatever the batch; oneDNN and MKL may not.
         self.exact_rows = self.kernels and self.gemm == "avx512"
         self.screen: GreedyScreen | None = None
+        self.screen_min_rows = 0  # steps of fewer rows take the float32 head (greedy_screen=auto times it)
         self.head: PackedWeight | None = None
 
     def for_worker(self) -> "CpuBackend":
         """The backend a tensor-parallel rank >= 1 applies: the same options, no LM head work."""
-        return CpuBackend(dataclasses.replace(self.options, greedy_screen=False), self.dtype, self.batch_hint)
+        return CpuBackend(dataclasses.replace(self.options, greedy_screen="false"), self.dtype, self.batch_hint)
 
     def optimize(self, model: nn.Module) -> nn.Module:
         if self.kernels:
             use_fused_layers(model)
-        if self.kernels and self.options.greedy_screen:
+        if self.kernels and self.options.greedy_screen != "false":
             if kernels.packed_gemm_bf16_supported():
                 # Before packing, which drops an untied head's plain weight: the screen keeps it.
                 self.screen = GreedyScreen(model.head_weight())
@@ -70,6 +71,8 @@ class CpuBackend(DeviceBackend):
                 logger.info("greedy_screen: this CPU or build has no AVX512-BF16; the float32 head takes every row")
         if self.gemm != "aten":
             self._pack(model)
+        if self.screen is not None and self.options.greedy_screen == "auto" and self.gemm == "avx512":
+            self._time_screen()
         if self.kernels:
             stack = DecoderStack.build(model)
             if stack is not None:
@@ -92,9 +95,20 @@ class CpuBackend(DeviceBackend):
             logger.info("the LM head's exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
                         tune_blocks_max_rows([self.head], self.batch_hint))
 
+    def _time_screen(self) -> None:
+        """greedy_screen=auto: keep the screen for the steps it is timed faster in, on this CPU; none: drop it."""
+        rows = screen_min_rows(self.screen, lambda x: self.head(x, None), self.batch_hint)
+        if rows is None:
+            logger.info("greedy_screen: the float32 head is faster on this CPU (timed at %d rows); the screen is off",
+                        self.batch_hint)
+            self.screen = None  # and its bfloat16 copy of the head with it
+        else:
+            logger.info("greedy_screen: steps of %d rows or more (timed on this CPU)", rows)
+            self.screen_min_rows = rows
+
     def screens_greedy(self, rows: int) -> bool:
-        return self.screen is not None and not (rows <= EXACT_HEAD_MAX_ROWS and self.head is not None
-                                                and self.head.reads_blocks(rows))
+        return (self.screen is not None and rows >= self.screen_min_rows
+                and not (rows <= EXACT_HEAD_MAX_ROWS and self.head is not None and self.head.reads_blocks(rows)))
 
     def greedy_ids(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         ids, _ = self.screen(model.norm(hidden))

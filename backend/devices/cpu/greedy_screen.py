@@ -20,6 +20,8 @@ head that is the embedding table itself).
 from __future__ import annotations
 
 import math
+import time
+from typing import Callable
 
 import torch
 
@@ -64,3 +66,44 @@ class GreedyScreen:
         x = x.contiguous()
         approx = cpu_kernels.packed_gemm_bf16(x, self.packed, None, self.vocab_size, self.in_features)
         return cpu_kernels.screened_greedy_head(x, approx, self.weight, self.col_bounds)
+
+
+def screen_min_rows(screen: GreedyScreen, head: Callable[[torch.Tensor], torch.Tensor], max_rows: int) -> int | None:
+    """The fewest rows (of max_rows, then halving down to 8) from which the screen finds a step's greedy ids
+    faster on this CPU than `head` (the float32 LM head) and the fused argmax, timed once at load; None
+    where it is not faster at max_rows.
+
+    Whether it pays depends on the CPU: the bfloat16 dot products run at twice the float32 FMAs' rate on
+    some (AMD Zen 4 and 5) and at the same rate on others (Intel Xeons without AMX), while a float32 head
+    on exact 8-bit blocks reads fewer bytes than the bfloat16 copy. Its many rows favour the screen most,
+    so fewer are tried only once it pays there. The screen's own recheck (a few % of it) is left out of the
+    timing, and it must win by 5 %.
+    """
+    best = None
+    rows = max_rows
+    while rows >= 8:
+        x = torch.randn(rows, screen.in_features)
+
+        def screened() -> None:
+            cpu_kernels.packed_gemm_bf16(x, screen.packed, None, screen.vocab_size, screen.in_features)
+
+        def plain() -> None:
+            cpu_kernels.greedy_head(head(x))
+
+        if not _faster(screened, plain, 0.95):
+            break
+        best = rows
+        rows //= 2
+    return best
+
+
+def _faster(candidate: Callable[[], None], current: Callable[[], None], ratio: float) -> bool:
+    """Whether `candidate` takes at most `ratio` of `current`'s time: the better of three alternated runs
+    each, after one of each that touches their buffers first."""
+    candidate(), current()
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in (0, 1, 1, 0, 0, 1):
+        started = time.perf_counter()
+        (candidate, current)[i]()
+        times[i].append(time.perf_counter() - started)
+    return min(times[0]) <= ratio * min(times[1])
