@@ -20,12 +20,12 @@ head that is the embedding table itself).
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable
 
 import torch
 
 from tritonllm.devices.cpu import kernels as cpu_kernels
+from tritonllm.devices.cpu.load_timing import faster
 
 _BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bfloat16 keeps 8 significant bits, rounded to nearest
 _FP32_UNIT_ROUNDOFF = 2.0 ** -24
@@ -90,20 +90,9 @@ def screen_min_rows(screen: GreedyScreen, head: Callable[[torch.Tensor], torch.T
         def plain() -> None:
             cpu_kernels.greedy_head(head(x))
 
-        if not _faster(screened, plain, 0.95):
+        if not faster(screened, plain, 0.95):
             break
         best = rows
         rows //= 2
     return best
 
-
-def _faster(candidate: Callable[[], None], current: Callable[[], None], ratio: float) -> bool:
-    """Whether `candidate` takes at most `ratio` of `current`'s time: the better of three alternated runs
-    each, after one of each that touches their buffers first."""
-    candidate(), current()
-    times: tuple[list[float], list[float]] = ([], [])
-    for i in (0, 1, 1, 0, 0, 1):
-        started = time.perf_counter()
-        (candidate, current)[i]()
-        times[i].append(time.perf_counter() - started)
-    return min(times[0]) <= ratio * min(times[1])

@@ -20,13 +20,12 @@ into its FMAs (docs/PERFORMANCE.md has what each kernel gives):
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 
 from tritonllm.devices.cpu import kernels as cpu_kernels
 from tritonllm.devices.cpu.exact_blocks import find_blocks
+from tritonllm.devices.cpu.load_timing import faster
 
 BLOCKS_MAX_ROWS = 8  # the most rows a GEMM on exactly-quantized weights takes their blocks for, unless tuned
 
@@ -144,21 +143,10 @@ def _block_gemm(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
 
 def _pays(weights: list[PackedWeight], rows: int, candidate, current) -> bool:
     """Whether `candidate(w, x)` is 3 % faster than `current(w, x)` over `rows` rows: each pass runs every
-    weight once, as a step does, so they come from memory, not from the caches; the better of two
-    alternated passes each, after one pass that first touches this row count's buffers."""
+    weight once, as a step does, so they come from memory, not from the caches."""
     xs = {w.in_features: torch.randn(rows, w.in_features) for w in weights}
-
-    def one_pass(gemm) -> float:
-        started = time.perf_counter()
-        for w in weights:
-            gemm(w, xs[w.in_features])
-        return time.perf_counter() - started
-
-    one_pass(candidate)
-    times = ([], [])
-    for i in (0, 1, 1, 0):
-        times[i].append(one_pass((candidate, current)[i]))
-    return min(times[0]) <= 0.97 * min(times[1])
+    return faster(lambda: [candidate(w, xs[w.in_features]) for w in weights],
+                  lambda: [current(w, xs[w.in_features]) for w in weights], 0.97)
 
 
 def pack_linears(model: nn.Module, kernel: str, batch_hint: int, exact_blocks: bool = False) -> list[PackedLinear]:
