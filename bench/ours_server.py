@@ -21,9 +21,15 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "smollm2"
 
 
+def _parameter_entry(key: str) -> re.Pattern:
+    """One `parameters: { key: ..., value: { string_value: ... } }` entry of config.pbtxt; group 1 is its value."""
+    return re.compile(r'parameters:\s*\{\s*key:\s*"' + re.escape(key)
+                      + r'"\s*,?\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}')
+
+
 def set_parameter(config_text: str, key: str, value: str) -> str:
     """Set one `parameters: { key: ..., value: { string_value: ... } }` entry, adding it if absent."""
-    pattern = re.compile(r'parameters:\s*\{\s*key:\s*"' + re.escape(key) + r'"\s*,?\s*value:\s*\{\s*string_value:\s*"[^"]*"\s*\}\s*\}')
+    pattern = _parameter_entry(key)
     entry = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}'
     if pattern.search(config_text):
         return pattern.sub(lambda _: entry, config_text, count=1)
@@ -32,8 +38,7 @@ def set_parameter(config_text: str, key: str, value: str) -> str:
 
 def config_parameter(config: str, key: str) -> str | None:
     """A string parameter of model_repository/smollm2/`config` (e.g. "configs/cuda.pbtxt"), or None."""
-    text = (REPO / "model_repository" / MODEL_NAME / config).read_text()
-    found = re.search(r'parameters:\s*\{\s*key:\s*"' + re.escape(key) + r'"\s*,?\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+    found = _parameter_entry(key).search((REPO / "model_repository" / MODEL_NAME / config).read_text())
     return found.group(1) if found else None
 
 
