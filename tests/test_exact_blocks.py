@@ -151,7 +151,7 @@ def test_weights_that_are_not_exactly_blocks_are_left_alone(kind, case):
 
 @avx512
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 10, 12, 13, 30, 64])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 10, 12, 13, 30, 64, 200])  # 200: decodes with a prompt chunk
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 64), (576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_block_gemm_equals_the_float32_gemm_bit_for_bit(kind, rows, out_features, in_features, with_bias):
@@ -192,6 +192,28 @@ def test_a_packed_weight_takes_the_blocks_only_for_few_rows(kind, code_bytes):
 
 
 @avx512
+@pytest.mark.parametrize("pays_up_to,want", [(64, 512), (32, 32), (8, 8)])
+def test_blocks_that_pay_at_a_full_batch_also_take_the_steps_with_prompt_chunks(monkeypatch, pays_up_to, want):
+    """tune_blocks_max_rows: rows double while the timing finds the blocks faster; where they still are at
+    max_rows (a step's decodes), every step up to step_rows reads them; where they stop paying before,
+    nothing past that is given to them."""
+    from tritonllm.devices.cpu import packed_linear
+
+    timed = []
+
+    def pays(weights, rows, *_):
+        timed.append(rows)
+        return rows <= pays_up_to
+
+    monkeypatch.setattr(packed_linear, "_pays", pays)
+    weights = [PackedWeight(q4_weight(64, 64, seed=5), "avx512", 64, exact_blocks=True),
+               PackedWeight(torch.randn(64, 64), "avx512", 64, exact_blocks=True)]  # no blocks: told the same rows
+    assert packed_linear.tune_blocks_max_rows(weights, 64, step_rows=512) == want
+    assert all(w.blocks_max_rows == want for w in weights)
+    assert max(timed) <= 64  # nothing past a full batch is timed
+
+
+@avx512
 def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
     """The packaged GGUF is Q4_1 in every decoder linear and Q8_0 in its tied embedding: every linear
     and the LM head get their blocks, and on the real weights the block GEMM gives the float32
@@ -209,7 +231,7 @@ def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
     assert model.lm_head.packed is head
     assert head is not None and head.blocks is not None and head.blocks[0].shape[2] == 32  # 8-bit codes
     gen = torch.Generator().manual_seed(0)
-    for rows in (BLOCKS_MAX_ROWS, 64):  # 64: as many as tune_blocks_max_rows may hand them on some CPUs
+    for rows in (BLOCKS_MAX_ROWS, 64, 300):  # 300: a step with a prompt chunk, as tune_blocks_max_rows may hand them
         for p in linears[:8] + [head]:
             x = torch.randn(rows, p.in_features, generator=gen)
             want = cpu_kernels.packed_gemm(x, p.data, None, p.out_features)

@@ -22,7 +22,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, config: EngineConfi
     if device.type == "cpu":
         from tritonllm.devices.cpu.backend import CpuBackend
 
-        return CpuBackend(config.cpu, dtype, batch_hint=config.scheduler.max_num_seqs)
+        return CpuBackend(config.cpu, dtype, batch_hint=config.scheduler.max_num_seqs,
+                          step_rows=config.scheduler.max_num_batched_tokens)
     if device.type == "cuda":
         from tritonllm.devices.cuda.backend import CudaBackend
 

@@ -36,14 +36,16 @@ EXACT_HEAD_MAX_ROWS = 2
 
 class CpuBackend(DeviceBackend):
     """`options`: the CPU parameters of config.pbtxt; `batch_hint`: the row count packed layouts are
-    tuned for (max_num_seqs)."""
+    tuned for (max_num_seqs); `step_rows`: the most rows a step's GEMMs take (max_num_batched_tokens:
+    decodes and prompt chunks together)."""
 
     name = "cpu"
 
-    def __init__(self, options: CpuOptions, dtype: torch.dtype, batch_hint: int):
+    def __init__(self, options: CpuOptions, dtype: torch.dtype, batch_hint: int, step_rows: int | None = None):
         self.options = options
         self.dtype = dtype
         self.batch_hint = batch_hint
+        self.step_rows = max(step_rows or batch_hint, batch_hint)
         self.kernels = options.kernels and dtype == torch.float32 and kernels.load()
         self.gemm = resolve_cpu_gemm(options.gemm, torch.device("cpu"), dtype)
         if self.gemm != options.gemm:
@@ -58,7 +60,8 @@ class CpuBackend(DeviceBackend):
 
     def for_worker(self) -> "CpuBackend":
         """The backend a tensor-parallel rank >= 1 applies: the same options, no LM head work."""
-        return CpuBackend(dataclasses.replace(self.options, greedy_screen="false"), self.dtype, self.batch_hint)
+        return CpuBackend(dataclasses.replace(self.options, greedy_screen="false"), self.dtype, self.batch_hint,
+                          self.step_rows)
 
     def optimize(self, model: nn.Module) -> nn.Module:
         if self.kernels:
@@ -86,7 +89,7 @@ class CpuBackend(DeviceBackend):
         layers = [lin.packed for lin in pack_linears(model.layers, self.gemm, self.batch_hint, exact_blocks)]
         if exact_blocks:
             logger.info("exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
-                        tune_blocks_max_rows(layers, self.batch_hint))
+                        tune_blocks_max_rows(layers, self.batch_hint, self.step_rows))
         shared = self.screen.packed if self.gemm == "avx512_bf16" and self.screen is not None else None
         self.head = PackedWeight(model.head_weight(), self.gemm, self.batch_hint, packed=shared, exact_blocks=exact_blocks)
         model.lm_head = PackedLinear(self.head, None)

@@ -113,14 +113,18 @@ class PackedLinear(nn.Module):
         return self.packed(x, self.bias)
 
 
-def tune_blocks_max_rows(weights: list[PackedWeight], max_rows: int) -> int:
+def tune_blocks_max_rows(weights: list[PackedWeight], max_rows: int, step_rows: int | None = None) -> int:
     """Up to how many rows this CPU runs a step's GEMMs faster from the exact blocks than from the float32
     panels, timed once at load on `weights` themselves; sets every weight's `blocks_max_rows` to it.
 
     The blocks cost decoding in registers and save memory traffic, so where the crossover lies depends
     on the CPU's FMA width against its memory bandwidth. Rows double from BLOCKS_MAX_ROWS while the
-    blocks stay 3 % faster (`_pays`). Results are the same bit for bit either way
-    (csrc/exact_block_gemm.cpp): only the speed depends on it.
+    blocks stay 3 % faster (`_pays`), up to `max_rows` (a step's decodes). Where they still pay there,
+    they also take the larger steps, up to `step_rows` rows (decodes with prompt chunks), untimed: past
+    a few rows both kernels run the same microkernel on the same float32 values, and what differs is
+    one pass over the weight per call, decoding the blocks or streaming the panels' four bytes a value,
+    which weighs less the more rows share it (docs/PERFORMANCE.md has the crossover measured).
+    Results are the same bit for bit either way (csrc/exact_block_gemm.cpp): only the speed depends on it.
     """
     with_blocks = [w for w in weights if w.blocks is not None]
     best = BLOCKS_MAX_ROWS
@@ -128,6 +132,8 @@ def tune_blocks_max_rows(weights: list[PackedWeight], max_rows: int) -> int:
     while with_blocks and rows <= max_rows and _pays(with_blocks, rows, _block_gemm, _panel_gemm):
         best = rows
         rows *= 2
+    if step_rows is not None and best * 2 > max_rows:
+        best = max(best, step_rows)
     for w in weights:
         w.blocks_max_rows = best
     return best
@@ -143,10 +149,15 @@ def _block_gemm(w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
 
 def _pays(weights: list[PackedWeight], rows: int, candidate, current) -> bool:
     """Whether `candidate(w, x)` is 3 % faster than `current(w, x)` over `rows` rows: each pass runs every
-    weight once, as a step does, so they come from memory, not from the caches."""
+    weight once, as a step does, so they come from memory, not from the caches. Each output is dropped
+    before the next GEMM, as in a step, so the allocator hands back the same memory, not fresh pages."""
     xs = {w.in_features: torch.randn(rows, w.in_features) for w in weights}
-    return faster(lambda: [candidate(w, xs[w.in_features]) for w in weights],
-                  lambda: [current(w, xs[w.in_features]) for w in weights], 0.97)
+
+    def each(gemm) -> None:
+        for w in weights:
+            gemm(w, xs[w.in_features])
+
+    return faster(lambda: each(candidate), lambda: each(current), 0.97)
 
 
 def pack_linears(model: nn.Module, kernel: str, batch_hint: int, exact_blocks: bool = False) -> list[PackedLinear]:
