@@ -216,6 +216,26 @@ def test_greedy_head_equals_torch_path(rows, vocab):
     ref_ids, ref_logprobs = unpack_tokens(choose_tokens(logits.clone(), SamplingBatch()).numpy())
     assert ids == ref_ids and ids[0] == vocab // 2
     assert logprobs == pytest.approx(ref_logprobs, abs=1e-5)
+    # A step where no row wants its log-prob: the same ids, the log-probs' pass skipped (NaN).
+    only_ids, no_logprobs = cpu_kernels.greedy_head(logits.clone(), logprobs=False)
+    assert only_ids.tolist() == ref_ids and torch.isnan(no_logprobs).all()
+
+
+def test_greedy_head_finds_the_first_of_equal_maxima_anywhere_in_a_row():
+    """The argmax pass keeps each vector lane's first maximum: ties across lanes and in the scalar tail
+    go to the lowest index, as torch's argmax, whatever the row's length."""
+    for vocab in (1, 15, 16, 17, 33, 1000):
+        for first, second in [(0, vocab - 1), (vocab // 2, vocab - 1), (vocab - 2, vocab - 1), (3, 19), (17, 18)]:
+            if not 0 <= first < second < vocab:
+                continue
+            logits = torch.linspace(-3, 2, vocab).flip(0).unsqueeze(0).contiguous()
+            logits[0, first] = logits[0, second] = 9.0
+            ids, logprobs = cpu_kernels.greedy_head(logits)
+            assert ids.tolist() == [first] == [int(torch.argmax(logits[0]))]
+            assert logprobs.item() == pytest.approx(torch.log_softmax(logits[0], 0)[first].item(), abs=1e-5)
+        one = torch.full((1, vocab), -1.0)
+        one[0, vocab - 1] = 0.5  # the last value, in the tail or the last vector
+        assert cpu_kernels.greedy_head(one, logprobs=False)[0].tolist() == [vocab - 1]
 
 
 @pytest.mark.parametrize("decode_lengths,prompts", [

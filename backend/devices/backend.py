@@ -53,9 +53,10 @@ class DeviceBackend:
         """The greedy token ids of these final hidden states, found without the full logits."""
         raise NotImplementedError
 
-    def greedy_head(self, logits: torch.Tensor) -> torch.Tensor | None:
+    def greedy_head(self, logits: torch.Tensor, logprobs: bool = True) -> torch.Tensor | None:
         """Argmax and its log-prob of plain-greedy logits as the sampler packs them (int32 [2, rows]),
-        where the backend has a fused op (None: the sampler's torch ops)."""
+        where the backend has a fused op (None: the sampler's torch ops). Without `logprobs` (no row
+        asked for one) the log-probs may be left out, as NaN."""
         return None
 
     def describe(self) -> str:

@@ -13,6 +13,7 @@ Only `[batch]` ids and log-probs leave the device.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
@@ -41,7 +42,8 @@ def choose_step_tokens(model, backend: DeviceBackend, hidden: torch.Tensor, samp
     logits = model.compute_logits(hidden)
     # A step with a row that wants its top log-probs keeps them before the choice changes the logits.
     ranking = ranking_logprobs(logits, sampling) if sampling.ranked_rows is not None else None
-    packed = choose_tokens(logits, sampling, backend.greedy_head)
+    # Where no row asks for its log-prob, the fused head skips computing them (an exp per logit).
+    packed = choose_tokens(logits, sampling, partial(backend.greedy_head, logprobs=any(wants_logprob)))
     ids, logprobs = unpack_tokens(packed.cpu().numpy())  # the step's one device -> host transfer
     if not all(wants_logprob):  # NaN for who did not ask, on every path
         logprobs = [lp if wants else math.nan for lp, wants in zip(logprobs, wants_logprob)]

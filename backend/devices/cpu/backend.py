@@ -117,10 +117,10 @@ class CpuBackend(DeviceBackend):
         ids, _ = self.screen(model.norm(hidden))
         return ids
 
-    def greedy_head(self, logits: torch.Tensor) -> torch.Tensor | None:
+    def greedy_head(self, logits: torch.Tensor, logprobs: bool = True) -> torch.Tensor | None:
         if not self.kernels or logits.dtype != torch.float32:
             return None
-        ids, chosen = kernels.greedy_head(logits)
+        ids, chosen = kernels.greedy_head(logits, logprobs)
         return torch.stack([ids.to(torch.int32), chosen.view(torch.int32)])
 
     def describe(self) -> str:

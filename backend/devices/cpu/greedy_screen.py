@@ -88,7 +88,7 @@ def screen_min_rows(screen: GreedyScreen, head: Callable[[torch.Tensor], torch.T
             cpu_kernels.packed_gemm_bf16(x, screen.packed, None, screen.vocab_size, screen.in_features)
 
         def plain() -> None:
-            cpu_kernels.greedy_head(head(x))
+            cpu_kernels.greedy_head(head(x), logprobs=False)  # what the screen stands in for: ids alone
 
         if not faster(screened, plain, 0.95):
             break

@@ -156,9 +156,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.tritonllm.silu_mul(gate_up)
 
 
-def greedy_head(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [batch, vocab] float32 -> (argmax ids int64 [batch], their log-probs float32 [batch])."""
-    return torch.ops.tritonllm.greedy_head(logits)
+def greedy_head(logits: torch.Tensor, logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [batch, vocab] float32 -> (argmax ids int64 [batch], their log-probs float32 [batch]; NaN
+    without `logprobs`, which skips their pass over the logits)."""
+    return torch.ops.tritonllm.greedy_head(logits, logprobs)
 
 
 def packed_gemm_supported() -> bool:

@@ -1,7 +1,9 @@
-// The fused greedy head for CPUs: per row of the step's logits, the argmax and its log-prob
-// (-log(sum(exp(logits - max)))) in one parallel pass over the rows. torch's path is three
+// The fused greedy head for CPUs: per row of the step's logits, the argmax and, where asked, its
+// log-prob (-log(sum(exp(logits - max)))) in one parallel pass over the rows. torch's path is three
 // reductions and an in-place exp over [batch, vocab] (max with indices alone runs at ~2 G elements/s
-// here); this reads each row from memory once and keeps it in cache for the other two passes.
+// here); this reads each row from memory once and keeps it in cache for the log-prob's pass. A step
+// whose rows want no log-prob (most greedy requests) skips that pass, which costs several times the
+// argmax's: an exp per logit.
 //
 // float32 only. Ties go to the lowest index, as torch's max/argmax. The exp argument is clamped at
 // -87 (exp(-87) < 1e-37 against a sum of at least 1) so -ffast-math never meets an infinity.
@@ -13,13 +15,47 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <tuple>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& logits_in) {
+// The first index of the row's largest value (NaNs are passed over, as std::max passes them over).
+// Each lane keeps its own largest value and the first index it met it at; the row's answer is the
+// lowest such index among the lanes holding the row's largest value.
+int64_t first_argmax(const float* x, int64_t n, float& best) {
+  int64_t i = 0, arg = 0;
+  best = -FLT_MAX;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 vbest = _mm512_set1_ps(-FLT_MAX);
+    __m512i varg = _mm512_setzero_si512(), vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    for (; i + 16 <= n; i += 16, vidx = _mm512_add_epi32(vidx, sixteen)) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      const __mmask16 more = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);  // strict: a lane keeps its first
+      vbest = _mm512_mask_mov_ps(vbest, more, v);
+      varg = _mm512_mask_mov_epi32(varg, more, vidx);
+    }
+    best = _mm512_reduce_max_ps(vbest);
+    const __mmask16 holding = _mm512_cmp_ps_mask(vbest, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    arg = _mm512_mask_reduce_min_epi32(holding, varg);
+  }
+#endif
+  for (; i < n; ++i)
+    if (x[i] > best) best = x[i], arg = i;
+  return arg;
+}
+
+std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& logits_in, bool logprobs_wanted) {
   TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "greedy_head: logits [batch, vocab]");
   TORCH_CHECK(logits_in.scalar_type() == at::kFloat, "greedy_head: float32 only");
+  TORCH_CHECK(logits_in.size(1) <= std::numeric_limits<int32_t>::max(), "greedy_head: vocab too large");
   const at::Tensor logits = logits_in.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   at::Tensor ids = at::empty({rows}, logits.options().dtype(at::kLong));
@@ -30,15 +66,15 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& logits_in) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* x = lp + r * vocab;
-      float mx = -FLT_MAX;
-#pragma omp simd reduction(max : mx)
-      for (int64_t i = 0; i < vocab; ++i) mx = std::max(mx, x[i]);
-      int64_t arg = 0;
-      while (arg < vocab - 1 && x[arg] != mx) ++arg;  // first index holding the max
+      float mx;
+      ip[r] = first_argmax(x, vocab, mx);
+      if (!logprobs_wanted) {
+        op[r] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < vocab; ++i) sum += std::exp(std::max(x[i] - mx, -87.f));
-      ip[r] = arg;
       op[r] = -std::log(sum);
     }
   });
@@ -47,6 +83,6 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& logits_in) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tritonllm, m) { m.def("greedy_head(Tensor logits) -> (Tensor, Tensor)"); }
+TORCH_LIBRARY_FRAGMENT(tritonllm, m) { m.def("greedy_head(Tensor logits, bool logprobs=True) -> (Tensor, Tensor)"); }
 
 TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("greedy_head", &greedy_head); }
