@@ -95,8 +95,9 @@ class CpuBackend(DeviceBackend):
         model.lm_head = PackedLinear(self.head, None)
         if self.head.blocks is not None:
             # Its own crossover: an 8-bit head's blocks are a quarter of its panels' bytes, not an eighth.
+            # Its steps pass a full batch where draft tokens are verified (a row each) or prompts want log-probs.
             logger.info("the LM head's exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
-                        tune_blocks_max_rows([self.head], self.batch_hint))
+                        tune_blocks_max_rows([self.head], self.batch_hint, self.step_rows))
 
     def _time_screen(self) -> None:
         """greedy_screen=auto: keep the screen for the steps it is timed faster in, on this CPU; none: drop it."""
