@@ -62,6 +62,14 @@ def test_bad_values_name_the_parameter():
         EngineConfig.from_parameters(device="tpu")
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
         EngineConfig.from_parameters({"kv_cache_dtype": "int8"})
+    with pytest.raises(ConfigError, match="greedy_screen must be one of"):
+        EngineConfig.from_parameters(greedy_screen="fp8")
+
+
+@pytest.mark.parametrize("given,kept", [("auto", "auto"), ("int8", "int8"), ("BFloat16", "bfloat16"), ("on", "true"),
+                                        (True, "true"), ("0", "false"), (False, "false")])
+def test_greedy_screen_takes_a_kind_or_a_boolean(given, kept):
+    assert EngineConfig.from_parameters(greedy_screen=given).cpu.greedy_screen == kept
 
 
 def test_retired_parameters_load_with_a_warning(caplog):

@@ -1,6 +1,6 @@
-"""The screened greedy head (devices/cpu/greedy_screen.py, csrc/screened_greedy_head.cpp): the float32 head's
-ids, ties included, from a bfloat16 LM head and its error bound; and the engine using it only for
-rows that want no log-prob."""
+"""The greedy screens (devices/cpu/greedy_screen.py; csrc/int8_greedy_screen.cpp, csrc/screened_greedy_head.cpp):
+the float32 head's ids, ties included, from an 8-bit or a bfloat16 LM head and its error bound; and the
+engine using one only for rows that want no log-prob."""
 
 from __future__ import annotations
 
@@ -10,10 +10,17 @@ import pytest
 import torch
 
 from tritonllm.devices.cpu import kernels as cpu_kernels
-from tritonllm.devices.cpu.greedy_screen import GreedyScreen, error_bound_factor
+from tritonllm.devices.cpu.greedy_screen import GreedyScreen, Int8GreedyScreen, error_bound_factor, int8_bound_factors
 
 avx512_bf16 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_bf16_supported()),
                                  reason="kernels built without AVX512-BF16 (this CPU lacks it)")
+avx512_vnni = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.int8_screen_supported()),
+                                 reason="kernels built without AVX512-VNNI (this CPU lacks it)")
+SCREENS = [pytest.param("int8", marks=avx512_vnni), pytest.param("bfloat16", marks=avx512_bf16)]
+
+
+def make_screen(kind: str, weight: torch.Tensor):
+    return Int8GreedyScreen(weight) if kind == "int8" else GreedyScreen(weight)
 
 
 def float32_head_ids(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -22,9 +29,13 @@ def float32_head_ids(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.greedy_head(logits)[0]
 
 
-@avx512_bf16
-@pytest.mark.parametrize("rows,vocab,hidden", [(1, 7, 37), (5, 1000, 576), (64, 49152, 576), (3, 40, 1)])
-def test_screen_ids_equal_the_float32_head_including_ties(rows, vocab, hidden):
+@pytest.mark.parametrize("kind", SCREENS)
+@pytest.mark.parametrize("rows,vocab,hidden", [(1, 7, 37), (5, 1000, 576), (64, 49152, 576), (3, 40, 1), (6, 33, 64)])
+def test_screen_ids_equal_the_float32_head_including_ties(kind, rows, vocab, hidden):
+    if kind == "int8" and hidden % 32:
+        with pytest.raises(ValueError, match="multiple of 32"):  # its scales cover blocks of 32 along K
+            Int8GreedyScreen(torch.randn(vocab, hidden))
+        return
     gen = torch.Generator().manual_seed(rows + vocab)
     weight = torch.randn(vocab, hidden, generator=gen) * 0.05
     x = torch.randn(rows, hidden, generator=gen) * 2
@@ -35,7 +46,7 @@ def test_screen_ids_equal_the_float32_head_including_ties(rows, vocab, hidden):
         weight[2] = torch.nextafter(weight[1], torch.tensor(1.0))  # one ulp apart: far inside the bf16 error
         x[-1] = weight[1] * 40
     x[0] = weight[vocab // 2] * 40  # the tied pair is this row's argmax
-    ids, candidates = GreedyScreen(weight)(x)
+    ids, candidates = make_screen(kind, weight)(x)
     assert torch.equal(ids, float32_head_ids(weight, x))
     assert ids[0] == vocab // 2
     assert bool((candidates >= 1).all())
@@ -62,6 +73,42 @@ def test_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_model(
     assert candidates.float().median() <= 4 and candidates.max() <= 64, candidates.tolist()
 
 
+@avx512_vnni
+def test_int8_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_model(hf_model, tokenizer):
+    """Real hidden states and the real (tied) head: the 8-bit logits, rebuilt in float64 from the packed
+    codes and scales as the kernel computes them, within their bound of the float32 ones; the kernel's
+    ids those of the float32 head, with a handful of the 49,152 tokens recomputed per row."""
+    head = hf_model.get_output_embeddings().weight.detach().float().contiguous()
+    screen = Int8GreedyScreen(head)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a paged KV cache works."}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([list(ids)]), max_new_tokens=32, do_sample=False,
+                                pad_token_id=tokenizer.eos_token_id)
+        hidden = hf_model(out, output_hidden_states=True).hidden_states[-1][0].contiguous()  # after the final norm
+    rows, k = hidden.shape
+    vocab, blocks = head.shape[0], k // 32
+    q = screen.codes.permute(0, 2, 1, 3).reshape(-1, k)[:vocab].double()  # back to [V, K]
+    d, c = (t.permute(0, 2, 1).reshape(-1, blocks)[:vocab].double() for t in (screen.d, screen.c))
+    xb = hidden.view(rows, blocks, 32)
+    top = xb.abs().amax(dim=2, keepdim=True)
+    s = top / 127  # as the kernel rounds them, in float32
+    xq = torch.round(xb * (127 / top)).double()
+    dots = torch.einsum("rbk,vbk->rvb", xq, q.view(vocab, blocks, 32))
+    approx = torch.einsum("rvb,rb,vb->rv", dots, s.squeeze(2).double(), d)
+    bound = s.squeeze(2).double() @ c.T
+    exact = cpu_kernels.packed_gemm(hidden, cpu_kernels.pack_gemm_weight(head), None, vocab)
+    assert bool(((exact.double() - approx).abs() <= bound).all())
+    got, candidates = screen(hidden)
+    assert torch.equal(got, float32_head_ids(head, hidden))
+    assert candidates.float().median() <= 8 and candidates.max() <= 128, candidates.tolist()
+
+
+def test_int8_bound_factors_cover_half_a_step_and_the_weight_residual():
+    a, e = int8_bound_factors(576)
+    assert 0.5 < a < 0.5 * 1.03 and 127 < e < 127 * 1.02
+
+
 def test_error_bound_factor_covers_bfloat16_rounding():
     # Two bfloat16 roundings (2^-8 each) and the float32 sums: just over 2^-7 for K = 576.
     assert 2 ** -7 < error_bound_factor(576) < 2 ** -7 * 1.05
@@ -83,8 +130,30 @@ def test_screen_rejects_bad_shapes_and_gives_id_0_for_a_nan_row():
         GreedyScreen(weight.double())
 
 
-@avx512_bf16
-def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_asked(model_dir):
+@avx512_vnni
+def test_int8_screen_rejects_bad_shapes_and_handles_nan_zero_and_tiny_rows():
+    weight = torch.randn(50, 64) * 0.05
+    screen = Int8GreedyScreen(weight)
+    x = torch.randn(4, 64)
+    x[1, 3] = math.nan
+    x[2] = 0.0  # every logit 0: the first token
+    x[3, :32] = 1e-35  # a block too small to scale, bounded by its size
+    ids, candidates = screen(x)
+    assert ids[1] == 0 and candidates[1] == 0
+    keep = torch.tensor([0, 2, 3])
+    assert torch.equal(ids[keep], float32_head_ids(weight, x[keep]))
+    x[1, 3] = math.inf
+    assert screen(x)[1][1] == 0
+    with pytest.raises(RuntimeError, match="K a multiple of 32|weight float32"):
+        cpu_kernels.int8_greedy_screen(torch.randn(2, 63), screen.codes, screen.d, screen.negq, screen.c, weight)
+    with pytest.raises(RuntimeError, match="codes"):
+        cpu_kernels.int8_greedy_screen(x, screen.codes[:2].contiguous(), screen.d, screen.negq, screen.c, weight)
+    with pytest.raises(ValueError, match="float32"):
+        Int8GreedyScreen(weight.double())
+
+
+@pytest.mark.parametrize("kind", SCREENS)
+def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_asked(model_dir, kind):
     from tritonllm.engine.config import EngineConfig
     from tritonllm.engine.engine import Engine
     from tritonllm.engine.sampling_params import SamplingParams
@@ -94,9 +163,9 @@ def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_a
     ids_only = SamplingParams(max_tokens=24, logprobs=False)
     outputs = {}
     for on in (True, False):
-        engine = Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2, greedy_screen=on, num_kv_blocks=256,
-                                     warmup=False))
-        assert (engine.runner.backend.screen is not None) is on
+        engine = Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2, greedy_screen=kind if on else "false",
+                                                     num_kv_blocks=256, warmup=False))
+        assert engine.runner.backend.screen_kind() == (kind if on else None)
         outputs[on] = [o.token_ids for o in engine.generate(prompts, ids_only)]
         if on:  # one request wants log-probs, three do not, in the same steps: it gets them (the float32
             # head), they get NaN (the screen), and every id is the one it had alone
@@ -113,8 +182,8 @@ def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_a
     assert outputs[True] == outputs[False]
 
 
-@avx512_bf16
-def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_path):
+@pytest.mark.parametrize("kind", SCREENS)
+def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_path, kind):
     """An untied LM head's plain weight is freed when it is packed; the screen must keep its own."""
     import json
     import shutil
@@ -137,10 +206,10 @@ def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_pat
 
     outputs = {}
     for on in (True, False):
-        engine = Engine(EngineConfig.from_parameters(model=str(untied), num_threads=2, greedy_screen=on, num_kv_blocks=128,
-                                     warmup=False))
+        engine = Engine(EngineConfig.from_parameters(model=str(untied), num_threads=2, greedy_screen=kind if on else "false",
+                                                     num_kv_blocks=128, warmup=False))
         model = engine.runner.model
-        assert not model.tie_word_embeddings and (engine.runner.backend.screen is not None) is on
+        assert not model.tie_word_embeddings and engine.runner.backend.screen_kind() == (kind if on else None)
         outputs[on] = [o.token_ids for o in engine.generate(["The capital of France is", "Hi"],
                                                              SamplingParams(max_tokens=16, logprobs=False))]
     assert outputs[True] == outputs[False]

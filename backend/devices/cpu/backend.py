@@ -5,7 +5,7 @@ torch reference, with the reason logged):
 - float32 with the kernels built (`cpu_kernels`): attention reading K/V in place from the paged pool,
   rotary + KV write, residual add + RMSNorm and SiLU * up each as one fused op (fused_layers.py);
   the plain-greedy head's argmax and log-prob in one pass;
-- a bfloat16 screen beside the LM head for float32 greedy ids (`greedy_screen`, greedy_screen.py);
+- an 8-bit or bfloat16 screen beside the LM head for float32 greedy ids (`greedy_screen`, greedy_screen.py);
 - every GEMM weight packed once for the chosen kernel (`cpu_gemm`, packed_linear.py), with the
   exact quantized blocks kept beside it (`exact_block_weights`, exact_blocks.py);
 - the decoder layers as one C++ call where a step allows (decoder_stack.py).
@@ -23,14 +23,14 @@ from tritonllm.devices.backend import DeviceBackend
 from tritonllm.devices.cpu import kernels
 from tritonllm.devices.cpu.decoder_stack import DecoderStack
 from tritonllm.devices.cpu.fused_layers import use_fused_layers
-from tritonllm.devices.cpu.greedy_screen import GreedyScreen, screen_min_rows
+from tritonllm.devices.cpu.greedy_screen import GreedyScreen, Int8GreedyScreen, fastest_screen
 from tritonllm.devices.cpu.packed_linear import PackedLinear, PackedWeight, pack_linears, resolve_cpu_gemm, tune_blocks_max_rows
 from tritonllm.engine.config import CpuOptions
 
 logger = logging.getLogger(__name__)
 
 # Steps of up to this many rows take the LM head on its exact blocks rather than the greedy screen:
-# at a row or two the blocks' fewer bytes beat the screen's bfloat16 GEMM plus its checks.
+# at a row or two the blocks' fewer bytes beat the screen's pass plus its checks.
 EXACT_HEAD_MAX_ROWS = 2
 
 
@@ -54,8 +54,9 @@ class CpuBackend(DeviceBackend):
         self.takes_groups = self.kernels  # the attention kernel reads groups with masks
         # Our kernels compute every row alike whatever the batch; oneDNN and MKL may not.
         self.exact_rows = self.kernels and self.gemm == "avx512"
-        self.screen: GreedyScreen | None = None
+        self.screen: GreedyScreen | Int8GreedyScreen | None = None
         self.screen_min_rows = 0  # steps of fewer rows take the float32 head (greedy_screen=auto times it)
+        self._screens: list[GreedyScreen | Int8GreedyScreen] = []  # what greedy_screen=auto times
         self.head: PackedWeight | None = None
 
     def for_worker(self) -> "CpuBackend":
@@ -67,15 +68,14 @@ class CpuBackend(DeviceBackend):
         if self.kernels:
             use_fused_layers(model)
         if self.kernels and self.options.greedy_screen != "false":
-            if kernels.packed_gemm_bf16_supported():
-                # Before packing, which drops an untied head's plain weight: the screen keeps it.
-                self.screen = GreedyScreen(model.head_weight())
-            else:
-                logger.info("greedy_screen: this CPU or build has no AVX512-BF16; the float32 head takes every row")
+            # Before packing, which drops an untied head's plain weight: the screens keep it.
+            self._screens = self._build_screens(model.head_weight())
+            self.screen = self._screens[0] if self._screens else None
         if self.gemm != "aten":
             self._pack(model)
-        if self.screen is not None and self.options.greedy_screen == "auto" and self.gemm == "avx512":
-            self._time_screen()
+        if self._screens and self.options.greedy_screen == "auto" and self.gemm == "avx512":
+            self._time_screens()
+        self._screens = []
         if self.kernels:
             stack = DecoderStack.build(model)
             if stack is not None:
@@ -90,7 +90,8 @@ class CpuBackend(DeviceBackend):
         if exact_blocks:
             logger.info("exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
                         tune_blocks_max_rows(layers, self.batch_hint, self.step_rows))
-        shared = self.screen.packed if self.gemm == "avx512_bf16" and self.screen is not None else None
+        bf16 = [screen for screen in self._screens if isinstance(screen, GreedyScreen)]
+        shared = bf16[0].packed if self.gemm == "avx512_bf16" and bf16 else None
         self.head = PackedWeight(model.head_weight(), self.gemm, self.batch_hint, packed=shared, exact_blocks=exact_blocks)
         model.lm_head = PackedLinear(self.head, None)
         if self.head.blocks is not None:
@@ -99,16 +100,41 @@ class CpuBackend(DeviceBackend):
             logger.info("the LM head's exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
                         tune_blocks_max_rows([self.head], self.batch_hint, self.step_rows))
 
-    def _time_screen(self) -> None:
-        """greedy_screen=auto: keep the screen for the steps it is timed faster in, on this CPU; none: drop it."""
-        rows = screen_min_rows(self.screen, lambda x: self.head(x, None), self.batch_hint)
-        if rows is None:
-            logger.info("greedy_screen: the float32 head is faster on this CPU (timed at %d rows); the screen is off",
+    def _build_screens(self, head_weight: torch.Tensor) -> list[GreedyScreen | Int8GreedyScreen]:
+        """The screens `greedy_screen` asks for that this CPU and build run, the 8-bit one first."""
+        wanted = {"auto": ("int8", "bfloat16"), "true": ("int8", "bfloat16"), "int8": ("int8",),
+                  "bfloat16": ("bfloat16",)}[self.options.greedy_screen]
+        screens: list[GreedyScreen | Int8GreedyScreen] = []
+        if "int8" in wanted and kernels.int8_screen_supported() and head_weight.shape[1] % 32 == 0:
+            screens.append(Int8GreedyScreen(head_weight))
+        if "bfloat16" in wanted and kernels.packed_gemm_bf16_supported():
+            screens.append(GreedyScreen(head_weight))
+        if self.options.greedy_screen == "true":
+            screens = screens[:1]
+        if not screens:
+            needs = " or ".join({"int8": "AVX512-VNNI", "bfloat16": "AVX512-BF16"}[kind] for kind in wanted)
+            logger.info("greedy_screen=%s: this CPU or build has no %s; the float32 head takes every row",
+                        self.options.greedy_screen, needs)
+        return screens
+
+    def _time_screens(self) -> None:
+        """greedy_screen=auto: keep the screen timed fastest, for the steps it beats the float32 head in; none
+        where no screen does."""
+        chosen = fastest_screen(self._screens, lambda x: self.head(x, None), self.batch_hint)
+        if chosen is None:
+            logger.info("greedy_screen: the float32 head is faster on this CPU (timed at %d rows); no screen",
                         self.batch_hint)
-            self.screen = None  # and its bfloat16 copy of the head with it
+            self.screen = None  # and its copy of the head with it
         else:
-            logger.info("greedy_screen: steps of %d rows or more (timed on this CPU)", rows)
-            self.screen_min_rows = rows
+            self.screen, self.screen_min_rows = chosen
+            logger.info("greedy_screen: the %s screen, for steps of %d rows or more (timed on this CPU)",
+                        self.screen_kind(), self.screen_min_rows)
+
+    def screen_kind(self) -> str | None:
+        """"int8" or "bfloat16": the screen greedy steps take; None without one."""
+        if self.screen is None:
+            return None
+        return "int8" if isinstance(self.screen, Int8GreedyScreen) else "bfloat16"
 
     def screens_greedy(self, rows: int) -> bool:
         return (self.screen is not None and rows >= self.screen_min_rows
@@ -127,5 +153,5 @@ class CpuBackend(DeviceBackend):
     def describe(self) -> str:
         parts = [f"cpu_gemm={self.gemm}", "C++ kernels" if self.kernels else "torch attention (C++ kernels off)"]
         if self.screen is not None:
-            parts.append("greedy screen")
+            parts.append(f"{self.screen_kind()} greedy screen")
         return "cpu: " + ", ".join(parts)

@@ -1,20 +1,23 @@
-"""The float32 greedy head's token ids at about the cost of a bfloat16 LM head.
+"""The float32 greedy head's token ids at about the cost of an 8-bit or a bfloat16 LM head.
 
-A greedy row that wants no log-prob needs only the argmax of its float32 logits. The screen computes
-all logits with the bfloat16 GEMM (csrc/packed_gemm.cpp, about twice the float32 rate), bounds each one's
-error by ||x|| * col_bounds[j], and recomputes in float32 only the tokens that bound cannot rule out
-(csrc/screened_greedy_head.cpp) with the float32 GEMM's own arithmetic: the ids are those of the
+A greedy row that wants no log-prob needs only the argmax of its float32 logits. A screen approximates
+every logit at a lower precision, bounds each one's error, and recomputes in float32 only the tokens
+those bounds cannot rule out, with the float32 GEMM's own arithmetic: the ids are those of the
 float32 head on `cpu_gemm=avx512`, ties included (oneDNN and MKL order their sums otherwise, and can
 differ from it, and from each other, where two logits are within float32 rounding). In an all-greedy
 step the rows that want their log-prob take the float32 head; a step with a sampled row or banned
 tokens takes it for every row (runner/head.py).
 
-With `cpu_gemm=avx512_bf16` (every GEMM in bfloat16) the screen makes the head's choice the float32
-one on the same hidden states, which keeps more outputs equal to the float32 model's.
-
-Needs AVX-512 with BF16 (`kernels.packed_gemm_bf16_supported()`); it costs a bfloat16 copy of the
-LM head (vocab x hidden x 2 bytes) and keeps a plain float32 one to recompute rows from (for a tied
-head that is the embedding table itself).
+Two screens:
+- `Int8GreedyScreen` (csrc/int8_greedy_screen.cpp): x and the head in 8-bit blocks with their scales,
+  integer dot products (AVX512-VNNI, `kernels.int8_screen_supported()`), a bound per token from the
+  blocks' scales; a byte per weight beside the head.
+- `GreedyScreen`: the bfloat16 GEMM (csrc/packed_gemm.cpp), a bound of ||x|| * col_bounds[j]
+  (csrc/screened_greedy_head.cpp); AVX512-BF16 (`kernels.packed_gemm_bf16_supported()`), two bytes per
+  weight. With `cpu_gemm=avx512_bf16` (every GEMM in bfloat16) it makes the head's choice the float32
+  one on the same hidden states, which keeps more outputs equal to the float32 model's.
+Both keep a reference to the plain float32 head to recompute tokens from (for a tied head that is the
+embedding table itself). `fastest_screen` picks one at load by timing (`greedy_screen=auto`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from tritonllm.devices.cpu.load_timing import faster
 
 _BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bfloat16 keeps 8 significant bits, rounded to nearest
 _FP32_UNIT_ROUNDOFF = 2.0 ** -24
+_BLOCK = 32  # the 8-bit screen: values along K per scale
+_GROUP = 16  # ... and tokens per zmm of int32 lanes
 
 
 def error_bound_factor(in_features: int) -> float:
@@ -58,8 +63,7 @@ class GreedyScreen:
         self.packed = cpu_kernels.pack_gemm_weight_bf16(self.weight)
         norms = self.weight.double().norm(dim=1) * error_bound_factor(self.in_features)
         # Rounded up to float32, so no bound comes out smaller than its real value.
-        bounds = norms.float()
-        self.col_bounds = torch.where(bounds.double() < norms, torch.nextafter(bounds, torch.tensor(math.inf)), bounds)
+        self.col_bounds = _rounded_up(norms)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [rows, hidden] float32 (the final norm applied) -> (ids int64 [rows], tokens recomputed per row)."""
@@ -68,31 +72,108 @@ class GreedyScreen:
         return cpu_kernels.screened_greedy_head(x, approx, self.weight, self.col_bounds)
 
 
-def screen_min_rows(screen: GreedyScreen, head: Callable[[torch.Tensor], torch.Tensor], max_rows: int) -> int | None:
-    """The fewest rows (of max_rows, then halving down to 8) from which the screen finds a step's greedy ids
-    faster on this CPU than `head` (the float32 LM head) and the fused argmax, timed once at load; None
-    where it is not faster at max_rows.
+class Int8GreedyScreen:
+    """`self(x)` -> (ids, candidates): argmax_j of float32 x @ weight[j], via the 8-bit screen
+    (csrc/int8_greedy_screen.cpp, AVX512-VNNI).
 
-    Whether it pays depends on the CPU: the bfloat16 dot products run at twice the float32 FMAs' rate on
-    some (AMD Zen 4 and 5) and at the same rate on others (Intel Xeons without AMX), while a float32 head
-    on exact 8-bit blocks reads fewer bytes than the bfloat16 copy. Its many rows favour the screen most,
-    so fewer are tried only once it pays there. The screen's own recheck (a few % of it) is left out of the
-    timing, and it must win by 5 %.
+    Per token and block of 32 values along K, the weight is packed as d * q with q in -127..127 and
+    d = max |w| / 127, with the error terms the bound needs: per block, sum |w| and the residual
+    sum |w - d q|. `weight` [vocab, hidden] float32 is kept by reference (not copied):
+    the tokens the screen cannot rule out are recomputed from it. It costs a byte per weight beside it.
     """
-    best = None
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % _BLOCK:
+            raise ValueError(f"Int8GreedyScreen: float32 [vocab, hidden] weight with hidden a multiple of {_BLOCK}, "
+                             f"got {weight.dtype} {tuple(weight.shape)}")
+        self.weight = weight.detach().contiguous()
+        self.vocab_size, self.in_features = self.weight.shape
+        blocks = self.in_features // _BLOCK
+        w = self.weight.view(self.vocab_size, blocks, _BLOCK)
+        magnitude = w.abs()
+        d = magnitude.amax(dim=2) / 127  # the float32 scale the kernel multiplies by
+        scale = d.unsqueeze(2)
+        q = torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-127, 127)  # any q is right: its residual is measured
+        # In float32: its roundings are in int8_bound_factors. The sums in float64.
+        residual = (w - scale * q).abs_().sum(dim=2, dtype=torch.float64)
+        a, e = int8_bound_factors(self.in_features)
+        c = magnitude.sum(dim=2, dtype=torch.float64) * a + residual * e
+        padded = -(-self.vocab_size // (2 * _GROUP)) * (2 * _GROUP)  # whole tiles of 32 tokens
+        codes = torch.zeros(padded, self.in_features, dtype=torch.int8)
+        codes[:self.vocab_size] = q.view(self.vocab_size, self.in_features)
+        self.codes = codes.view(padded // _GROUP, _GROUP, self.in_features // 4, 4).permute(0, 2, 1, 3).contiguous()
+        self.d = _by_group(d, padded)
+        self.negq = _by_group((-128 * q.sum(dim=2)).to(torch.int32), padded)
+        self.c = _by_group(_rounded_up(c), padded)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [rows, hidden] float32 (the final norm applied) -> (ids int64 [rows], tokens recomputed per row)."""
+        return cpu_kernels.int8_greedy_screen(x.contiguous(), self.codes, self.d, self.negq, self.c, self.weight)
+
+
+def int8_bound_factors(in_features: int) -> tuple[float, float]:
+    """(a, e): per unit of a block's scale s of x, the 8-bit screen's error on a token is at most
+    a * sum |w| + e * sum |w - d q| over the block (csrc/int8_greedy_screen.cpp).
+
+    x - s x^ is at most half a step plus the roundings of 127 / max and of x * (127 / max) (4 units of
+    float32 rounding on values up to 127, kept with room: 8); the weight's residual meets |x^| <= 127;
+    the residual, found in float32, is short of the real one by at most u sum |w| + 2u sum |w - d q|;
+    the float32 head's own sum adds at most gamma_K * sum |x| |w| with |x| <= 127 s, and the screen's
+    sums over the blocks gamma_(blocks + 2) of 127 s (sum |w| + sum |w - d q|). Everything 1 % more,
+    for the float32 rounding of the bound's own sum and of the screen's comparisons.
+    """
+    u = _FP32_UNIT_ROUNDOFF
+    gamma_k = in_features * u / (1 - in_features * u)
+    blocks = in_features // _BLOCK
+    gamma_b = (blocks + 2) * u / (1 - (blocks + 2) * u)
+    a = 0.5 + 127 * 8 * u + 127 * 2 * u + 127 * (1 + u) * gamma_k + 127 * gamma_b
+    e = 127 * (1 + 4 * u) + 127 * gamma_b
+    return a * 1.01, e * 1.01
+
+
+def _rounded_up(values: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32, never below the value."""
+    rounded = values.float()
+    return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.tensor(math.inf)), rounded)
+
+
+def _by_group(per_block: torch.Tensor, padded: int) -> torch.Tensor:
+    """[V, blocks] -> [V' / 16, blocks, 16], zeros past V: a block's values for 16 tokens side by side, as one zmm."""
+    vocab, blocks = per_block.shape
+    out = per_block.new_zeros(padded, blocks)
+    out[:vocab] = per_block
+    return out.view(padded // _GROUP, _GROUP, blocks).permute(0, 2, 1).contiguous()
+
+
+def fastest_screen(screens: list[GreedyScreen | Int8GreedyScreen], head: Callable[[torch.Tensor], torch.Tensor],
+                   max_rows: int) -> tuple[GreedyScreen | Int8GreedyScreen, int] | None:
+    """Of `screens`, the one that finds a step's greedy ids fastest on this CPU, if it beats `head` (the float32
+    LM head) with the fused argmax by 5 % at max_rows, and the fewest rows (halving down to 8) from which it
+    still does; timed once at load. None where no screen pays.
+
+    Whether one pays depends on the CPU: the 8-bit dot products add twice the float32 FMAs' products on
+    every AVX-512 CPU with VNNI; the bfloat16 ones do on some (AMD Zen 4 and 5) and not on others (Intel
+    Xeons without AMX), while a float32 head on exact 8-bit blocks reads fewer bytes than a bfloat16 copy.
+    Many rows favour a screen most, so fewer are tried only once it pays there. Each screen is timed whole,
+    its recheck of the tokens it cannot rule out included, on random hidden states.
+    """
+    def timed(rows: int):
+        x = torch.randn(rows, screens[0].in_features)
+        return x, (lambda: cpu_kernels.greedy_head(head(x), logprobs=False))  # what a screen stands in for: ids alone
+
+    x, plain = timed(max_rows)
+    paying = [screen for screen in screens if faster(lambda: screen(x), plain, 0.95)]
+    if not paying:
+        return None
+    best = paying[0]
+    for other in paying[1:]:
+        if faster(lambda: other(x), lambda: best(x), 1.0):
+            best = other
     rows = max_rows
-    while rows >= 8:
-        x = torch.randn(rows, screen.in_features)
-
-        def screened() -> None:
-            cpu_kernels.packed_gemm_bf16(x, screen.packed, None, screen.vocab_size, screen.in_features)
-
-        def plain() -> None:
-            cpu_kernels.greedy_head(head(x), logprobs=False)  # what the screen stands in for: ids alone
-
-        if not faster(screened, plain, 0.95):
+    while rows // 2 >= 8:
+        x, plain = timed(rows // 2)
+        if not faster(lambda: best(x), plain, 0.95):
             break
-        best = rows
         rows //= 2
-    return best
+    return best, rows
 

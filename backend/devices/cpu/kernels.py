@@ -6,7 +6,7 @@ residual add + RMSNorm, rotary + KV write, SiLU * up (fused_decoder_ops.cpp); th
 argmax + log-prob in one pass (greedy_head.cpp); on AVX-512 CPUs the GEMM on weights packed once, in
 float32 or bfloat16 (packed_gemm.cpp), and on weights that are exactly quantized blocks
 (exact_block_gemm.cpp); the float32 greedy head's argmax through a bfloat16 LM head
-(screened_greedy_head.cpp); and a Llama-family model's decoder layers in one call (decoder_stack.cpp).
+(screened_greedy_head.cpp) or 8-bit dot products (int8_greedy_screen.cpp); and a Llama-family model's decoder layers in one call (decoder_stack.cpp).
 
 torch's JIT extension builder compiles them with the machine's g++ for its own CPU (-march=native)
 into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one folder
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 _NAME = "tritonllm_cpu_kernels"
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp",
-             "screened_greedy_head.cpp", "exact_block_gemm.cpp", "decoder_stack.cpp")]
+             "screened_greedy_head.cpp", "int8_greedy_screen.cpp", "exact_block_gemm.cpp", "decoder_stack.cpp")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str
@@ -212,6 +212,18 @@ def screened_greedy_head(x: torch.Tensor, approx: torch.Tensor, weight: torch.Te
     ||x|| * col_bounds: x [rows, K], approx [rows, V], weight [V, K], col_bounds [V], all float32
     -> (ids int64 [rows], how many tokens each row recomputed in float32 int64 [rows])."""
     return torch.ops.tritonllm.screened_greedy_head(x, approx, weight, col_bounds)
+
+
+def int8_screen_supported() -> bool:
+    """Whether the 8-bit greedy screen runs here: AVX-512 with VNNI (checked at build time)."""
+    return load() and bool(torch.ops.tritonllm.int8_screen_supported())
+
+
+def int8_greedy_screen(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, negq: torch.Tensor, c: torch.Tensor,
+                       weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 argmax of x @ weight^T through the 8-bit screen (greedy_screen.Int8GreedyScreen packs the
+    rest): x [rows, K], weight [V, K] float32 -> (ids int64 [rows], tokens recomputed per row int64 [rows])."""
+    return torch.ops.tritonllm.int8_greedy_screen(x, codes, d, negq, c, weight)
 
 
 def main() -> None:

@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "screen_rescore.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,7 +38,6 @@ namespace {
 #if defined(__AVX512F__)
 
 constexpr int kLanes = 16;   // floats per zmm in the screen's passes
-constexpr int kRescore = 8;  // candidates recomputed per pass over x (64-bit gather indices: 8 lanes)
 
 // ||x|| in double, rounded up to a float: the bound must not come out smaller than the real one.
 float norm_rounded_up(const float* x, int64_t k) {
@@ -72,18 +73,6 @@ void screen_candidates(const float* a, const float* bound, int64_t n, float xn, 
     if (a[j] + xn * bound[j] >= floor) out.push_back(j);
 }
 
-// The float32 logits of up to 8 candidate rows of W, each lane summed as the float32 GEMM sums
-// one output: from zero, one FMA per product, k in order.
-__m256 exact_logits(const float* x, int64_t k, const float* w, int64_t ldw, const int64_t* cand, int count) {
-  alignas(64) int64_t offsets[kRescore];
-  for (int i = 0; i < kRescore; ++i) offsets[i] = cand[i < count ? i : 0] * ldw;  // spare lanes repeat the first
-  const __m512i vofs = _mm512_load_si512(offsets);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < k; ++i)
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(x[i]), _mm512_i64gather_ps(vofs, w + i, sizeof(float)), acc);
-  return acc;
-}
-
 #endif
 
 std::tuple<at::Tensor, at::Tensor> screened_greedy_head(const at::Tensor& x_in, const at::Tensor& approx_in,
@@ -107,21 +96,13 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_head(const at::Tensor& x_in, 
   int64_t *ip = ids.data_ptr<int64_t>(), *cp = candidates.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> cand;
-    alignas(32) float exact[kRescore];
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = xp + r * k;
       const float* ar = ap + r * vocab;
       const float xn = norm_rounded_up(xr, k);
       if (!std::isfinite(xn)) continue;  // NaN or inf in x: no logit means anything; id 0, no candidates
       screen_candidates(ar, bp, vocab, xn, screen_floor(ar, bp, vocab, xn), cand);
-      float best = -std::numeric_limits<float>::infinity();
-      int64_t best_id = cand.empty() ? 0 : cand[0];
-      for (size_t c0 = 0; c0 < cand.size(); c0 += kRescore) {
-        const int count = static_cast<int>(std::min<size_t>(kRescore, cand.size() - c0));
-        _mm256_store_ps(exact, exact_logits(xr, k, wp, k, cand.data() + c0, count));
-        for (int i = 0; i < count; ++i)
-          if (exact[i] > best) best = exact[i], best_id = cand[c0 + i];  // strict: the lowest index keeps a tie
-      }
+      const int64_t best_id = tritonllm::rescored_argmax(xr, k, wp, cand);
       ip[r] = best_id;
       cp[r] = static_cast<int64_t>(cand.size());
     }
