@@ -214,6 +214,29 @@ def test_blocks_that_pay_at_a_full_batch_also_take_the_steps_with_prompt_chunks(
 
 
 @avx512
+def test_panels_that_no_step_reads_are_freed_and_the_blocks_take_every_row_count(monkeypatch):
+    """Where the blocks take every step size, the float32 panels are freed; any row count, a step's or
+    more, then reads the blocks, with the panels' results bit for bit. Where one weight has no blocks, or
+    the blocks stop short of the largest step, nothing is freed."""
+    from tritonllm.devices.cpu import packed_linear
+
+    monkeypatch.setattr(packed_linear, "_pays", lambda *_: True)
+    weights = [PackedWeight(MAKERS[kind](96, 64, seed=7), "avx512", 64, exact_blocks=True) for kind in MAKERS]
+    xs = {rows: torch.randn(rows, 64) for rows in (1, 13, 64, 512, 700)}
+    want = {rows: [bits(cpu_kernels.packed_gemm(x, w.data, None, 96)) for w in weights] for rows, x in xs.items()}
+    assert packed_linear.tune_blocks_max_rows(weights, 64, step_rows=512) == 512
+    plain = PackedWeight(torch.randn(96, 64), "avx512", 64, exact_blocks=True)
+    assert packed_linear.drop_unread_panels(weights + [plain], 512) == 0  # one of them has no blocks
+    assert packed_linear.drop_unread_panels(weights, 1024) == 0  # a step larger than the blocks take
+    assert all(w.data is not None for w in weights)
+    assert packed_linear.drop_unread_panels(weights, 512) == sum(96 * 64 * 4 for _ in weights)
+    for rows, x in xs.items():
+        for w, expected in zip(weights, want[rows]):
+            assert w.data is None and w.reads_blocks(rows)
+            assert torch.equal(bits(w(x, None)), expected)
+
+
+@avx512
 def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
     """The packaged GGUF is Q4_1 in every decoder linear and Q8_0 in its tied embedding: every linear
     and the LM head get their blocks, and on the real weights the block GEMM gives the float32

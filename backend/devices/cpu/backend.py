@@ -24,7 +24,8 @@ from tritonllm.devices.cpu import kernels
 from tritonllm.devices.cpu.decoder_stack import DecoderStack
 from tritonllm.devices.cpu.fused_layers import use_fused_layers
 from tritonllm.devices.cpu.greedy_screen import GreedyScreen, Int8GreedyScreen, fastest_screen
-from tritonllm.devices.cpu.packed_linear import PackedLinear, PackedWeight, pack_linears, resolve_cpu_gemm, tune_blocks_max_rows
+from tritonllm.devices.cpu.packed_linear import (PackedLinear, PackedWeight, drop_unread_panels, pack_linears,
+                                                  resolve_cpu_gemm, tune_blocks_max_rows)
 from tritonllm.engine.config import CpuOptions
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ EXACT_HEAD_MAX_ROWS = 2
 class CpuBackend(DeviceBackend):
     """`options`: the CPU parameters of config.pbtxt; `batch_hint`: the row count packed layouts are
     tuned for (max_num_seqs); `step_rows`: the most rows a step's GEMMs take (max_num_batched_tokens:
-    decodes and prompt chunks together)."""
+    decodes and prompt chunks together), None where unknown."""
 
     name = "cpu"
 
@@ -45,7 +46,7 @@ class CpuBackend(DeviceBackend):
         self.options = options
         self.dtype = dtype
         self.batch_hint = batch_hint
-        self.step_rows = max(step_rows or batch_hint, batch_hint)
+        self.step_rows = None if step_rows is None else max(step_rows, batch_hint)
         self.kernels = options.kernels and dtype == torch.float32 and kernels.load()
         self.gemm = resolve_cpu_gemm(options.gemm, torch.device("cpu"), dtype)
         if self.gemm != options.gemm:
@@ -70,7 +71,10 @@ class CpuBackend(DeviceBackend):
         if self.kernels and self.options.greedy_screen != "false":
             # Before packing, which drops an untied head's plain weight: the screens keep it.
             self._screens = self._build_screens(model.head_weight())
-            self.screen = self._screens[0] if self._screens else None
+            # Untimed (cpu_gemm other than avx512, whose head is not the float32 one to time against): the
+            # bfloat16 screen where the head is that same bfloat16 copy, else the first.
+            shares = [s for s in self._screens if isinstance(s, GreedyScreen) and self.gemm == "avx512_bf16"]
+            self.screen = (shares or self._screens or [None])[0]
         if self.gemm != "aten":
             self._pack(model)
         if self._screens and self.options.greedy_screen == "auto" and self.gemm == "avx512":
@@ -84,7 +88,8 @@ class CpuBackend(DeviceBackend):
 
     def _pack(self, model: nn.Module) -> None:
         """Every linear packed for the GEMM kernel; a tied LM head gets a packed copy of its own (the
-        embedding lookup keeps the plain table), which with `avx512_bf16` is the screen's bfloat16 copy."""
+        embedding lookup keeps the plain table), which with `avx512_bf16` is the screen's bfloat16 copy.
+        Where the exact blocks take every step size, the float32 panels are freed once timed."""
         exact_blocks = self.options.exact_blocks and self.gemm == "avx512"
         layers = [lin.packed for lin in pack_linears(model.layers, self.gemm, self.batch_hint, exact_blocks)]
         if exact_blocks:
@@ -99,6 +104,10 @@ class CpuBackend(DeviceBackend):
             # Its steps pass a full batch where draft tokens are verified (a row each) or prompts want log-probs.
             logger.info("the LM head's exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
                         tune_blocks_max_rows([self.head], self.batch_hint, self.step_rows))
+        freed = 0 if self.step_rows is None else (drop_unread_panels(layers, self.step_rows)
+                                                  + drop_unread_panels([self.head], self.step_rows))
+        if freed:
+            logger.info("float32 panels freed where the exact blocks take every step: %.0f MiB", freed / 2**20)
 
     def _build_screens(self, head_weight: torch.Tensor) -> list[GreedyScreen | Int8GreedyScreen]:
         """The screens `greedy_screen` asks for that this CPU and build run, the 8-bit one first."""
