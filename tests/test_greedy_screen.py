@@ -213,3 +213,23 @@ def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_pat
         outputs[on] = [o.token_ids for o in engine.generate(["The capital of France is", "Hi"],
                                                              SamplingParams(max_tokens=16, logprobs=False))]
     assert outputs[True] == outputs[False]
+
+
+@avx512_vnni
+@avx512_bf16
+def test_each_setting_builds_the_screens_it_names():
+    """auto builds both to time them; true the first this CPU runs (the 8-bit one); int8 or bfloat16 that
+    one; and the 8-bit screen is left out for a hidden size its blocks of 32 do not divide."""
+    from tritonllm.devices.cpu.backend import CpuBackend
+    from tritonllm.engine.config import CpuOptions
+
+    def built(setting: str, hidden: int = 64) -> list[str]:
+        backend = CpuBackend(CpuOptions(greedy_screen=setting), torch.float32, batch_hint=8)
+        return [type(s).__name__ for s in backend._build_screens(torch.randn(40, hidden))]
+
+    assert built("auto") == ["Int8GreedyScreen", "GreedyScreen"]
+    assert built("true") == ["Int8GreedyScreen"]
+    assert built("int8") == ["Int8GreedyScreen"]
+    assert built("bfloat16") == ["GreedyScreen"]
+    assert built("int8", hidden=48) == []
+    assert built("auto", hidden=48) == ["GreedyScreen"]

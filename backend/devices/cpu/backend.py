@@ -110,20 +110,28 @@ class CpuBackend(DeviceBackend):
             logger.info("float32 panels freed where the exact blocks take every step: %.0f MiB", freed / 2**20)
 
     def _build_screens(self, head_weight: torch.Tensor) -> list[GreedyScreen | Int8GreedyScreen]:
-        """The screens `greedy_screen` asks for that this CPU and build run, the 8-bit one first."""
+        """The screens `greedy_screen` asks for that this CPU and build run, the 8-bit one first (only the
+        first for `true`)."""
         wanted = {"auto": ("int8", "bfloat16"), "true": ("int8", "bfloat16"), "int8": ("int8",),
                   "bfloat16": ("bfloat16",)}[self.options.greedy_screen]
         screens: list[GreedyScreen | Int8GreedyScreen] = []
-        if "int8" in wanted and kernels.int8_screen_supported() and head_weight.shape[1] % 32 == 0:
-            screens.append(Int8GreedyScreen(head_weight))
-        if "bfloat16" in wanted and kernels.packed_gemm_bf16_supported():
-            screens.append(GreedyScreen(head_weight))
-        if self.options.greedy_screen == "true":
-            screens = screens[:1]
+        missing = []
+        for kind in wanted:
+            if screens and self.options.greedy_screen == "true":
+                break
+            if kind == "int8" and not kernels.int8_screen_supported():
+                missing.append("AVX512-VNNI")
+            elif kind == "int8" and head_weight.shape[1] % 32:
+                missing.append(f"a hidden size that is a multiple of 32 (it is {head_weight.shape[1]})")
+            elif kind == "int8":
+                screens.append(Int8GreedyScreen(head_weight))
+            elif not kernels.packed_gemm_bf16_supported():
+                missing.append("AVX512-BF16")
+            else:
+                screens.append(GreedyScreen(head_weight))
         if not screens:
-            needs = " or ".join({"int8": "AVX512-VNNI", "bfloat16": "AVX512-BF16"}[kind] for kind in wanted)
-            logger.info("greedy_screen=%s: this CPU or build has no %s; the float32 head takes every row",
-                        self.options.greedy_screen, needs)
+            logger.info("greedy_screen=%s: the screens need %s; the float32 head takes every row",
+                        self.options.greedy_screen, " or ".join(missing))
         return screens
 
     def _time_screens(self) -> None:
