@@ -52,18 +52,25 @@ def test_screen_ids_equal_the_float32_head_including_ties(kind, rows, vocab, hid
     assert bool((candidates >= 1).all())
 
 
-@avx512_bf16
-def test_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_model(hf_model, tokenizer):
-    """Real hidden states and the real (tied) head: every bfloat16 logit within its bound of the
-    float32 one, and only a handful of the 49,152 tokens left to recompute per row."""
+@pytest.fixture(scope="module")
+def real_head_and_hidden(hf_model, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packaged model's (tied) LM head, and the hidden states after the final norm of a greedy answer."""
     head = hf_model.get_output_embeddings().weight.detach().float().contiguous()
-    screen = GreedyScreen(head)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a paged KV cache works."}],
                                         add_generation_prompt=True, tokenize=True, return_dict=False)
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([list(ids)]), max_new_tokens=32, do_sample=False,
                                 pad_token_id=tokenizer.eos_token_id)
         hidden = hf_model(out, output_hidden_states=True).hidden_states[-1][0].contiguous()  # after the final norm
+    return head, hidden
+
+
+@avx512_bf16
+def test_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_model(real_head_and_hidden):
+    """Real hidden states and the real (tied) head: every bfloat16 logit within its bound of the
+    float32 one, and only a handful of the 49,152 tokens left to recompute per row."""
+    head, hidden = real_head_and_hidden
+    screen = GreedyScreen(head)
     exact = hidden @ head.T
     approx = cpu_kernels.packed_gemm_bf16(hidden, screen.packed, None, head.shape[0], head.shape[1])
     bound = hidden.double().norm(dim=1, keepdim=True) * screen.col_bounds.double()
@@ -74,18 +81,12 @@ def test_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_model(
 
 
 @avx512_vnni
-def test_int8_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_model(hf_model, tokenizer):
+def test_int8_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_model(real_head_and_hidden):
     """Real hidden states and the real (tied) head: the 8-bit logits, rebuilt in float64 from the packed
     codes and scales as the kernel computes them, within their bound of the float32 ones; the kernel's
     ids those of the float32 head, with a handful of the 49,152 tokens recomputed per row."""
-    head = hf_model.get_output_embeddings().weight.detach().float().contiguous()
+    head, hidden = real_head_and_hidden
     screen = Int8GreedyScreen(head)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a paged KV cache works."}],
-                                        add_generation_prompt=True, tokenize=True, return_dict=False)
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([list(ids)]), max_new_tokens=32, do_sample=False,
-                                pad_token_id=tokenizer.eos_token_id)
-        hidden = hf_model(out, output_hidden_states=True).hidden_states[-1][0].contiguous()  # after the final norm
     rows, k = hidden.shape
     vocab, blocks = head.shape[0], k // 32
     q = screen.codes.permute(0, 2, 1, 3).reshape(-1, k)[:vocab].double()  # back to [V, K]
