@@ -164,8 +164,9 @@ def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_a
     ids_only = SamplingParams(max_tokens=24, logprobs=False)
     outputs = {}
     for on in (True, False):
-        engine = Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2, greedy_screen=kind if on else "false",
-                                                     num_kv_blocks=256, warmup=False))
+        engine = Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2,
+                                                     greedy_screen=kind if on else "false", num_kv_blocks=256,
+                                                     warmup=False))
         assert engine.runner.backend.screen_kind() == (kind if on else None)
         outputs[on] = [o.token_ids for o in engine.generate(prompts, ids_only)]
         if on:  # one request wants log-probs, three do not, in the same steps: it gets them (the float32
@@ -183,7 +184,8 @@ def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_a
     assert outputs[True] == outputs[False]
 
 
-@pytest.mark.skipif(not (cpu_kernels.load() and (cpu_kernels.int8_screen_supported() or cpu_kernels.packed_gemm_bf16_supported())),
+@pytest.mark.skipif(not (cpu_kernels.load() and (cpu_kernels.int8_screen_supported()
+                                                 or cpu_kernels.packed_gemm_bf16_supported())),
                     reason="kernels built without AVX512-VNNI and AVX512-BF16 (this CPU lacks both): no screen")
 def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_path):
     """An untied LM head's plain weight is freed when it is packed; the screen must keep its own (both

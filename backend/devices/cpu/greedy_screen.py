@@ -93,7 +93,8 @@ class Int8GreedyScreen:
         magnitude = w.abs()
         d = magnitude.amax(dim=2) / 127  # the float32 scale the kernel multiplies by
         scale = d.unsqueeze(2)
-        q = torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-127, 127)  # any q is right: its residual is measured
+        # Any q is right: its residual is measured below.
+        q = torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-127, 127)
         # In float32: its roundings are in int8_bound_factors. The sums in float64.
         residual = (w - scale * q).abs_().sum(dim=2, dtype=torch.float64)
         a, e = int8_bound_factors(self.in_features)
