@@ -2,10 +2,10 @@
 // dot products and bounded, then the few tokens the bounds cannot rule out recomputed in float32.
 //
 // Why: a greedy row that wants no log-prob needs only the argmax of its float32 logits, and the LM head
-// is the largest GEMM of a small model's decode step. AVX512-VNNI's `vpdpbusd` adds 64 byte products a
-// cycle where the float32 FMAs add 32, on every AVX-512 CPU our machines have, so the 8-bit pass costs
-// about half the float32 head; the bfloat16 screen (screened_greedy_head.cpp) gains that only where the
-// bfloat16 dot products run at twice the FMAs' rate.
+// is the largest GEMM of a small model's decode step. AVX512-VNNI's `vpdpbusd` adds 64 byte products
+// per instruction where a float32 FMA adds 16, so on the CPUs that have it (Intel since Cascade Lake,
+// AMD since Zen 4) the 8-bit pass costs about half the float32 head; the bfloat16 screen
+// (screened_greedy_head.cpp) gains that only where the bfloat16 dot products run at twice the FMAs' rate.
 //
 // The approximation, per row x and block b of 32 values along K: s_b = max|x_b| / 127 and
 // x^_k = round(x_k / s_b) in -127..127; per token j, W's block as d_jb * q_jk with q in -127..127
