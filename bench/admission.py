@@ -27,10 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-from tritonllm.engine.config import EngineConfig
+from tritonllm.core.config import EngineConfig
 from tritonllm.engine.engine import Engine
 from tritonllm.models.model_files import resolve_model_dir
-from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.core.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prompt_tokens import chat_token_ids  # noqa: E402

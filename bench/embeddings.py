@@ -132,7 +132,8 @@ def engine_runner(texts: list[str], threads: int):
 def server_runner(texts: list[str], threads: int):
     """Yields run(c): a tritonserver serving a copy of model_repository/minilm, c gRPC client threads."""
     import tritonclient.grpc as grpcclient
-    from tritonllm.serving.launcher import TritonServer
+    sys.path.insert(0, str(REPO / "tests"))  # the tests' tritonserver harness, shared with the benchmarks
+    from tritonserver_harness import TritonServer
 
     repo = Path(tempfile.mkdtemp(prefix="bench-minilm-"))
     shutil.copytree(REPO / "model_repository" / "minilm", repo / "minilm", ignore=shutil.ignore_patterns("__pycache__"))

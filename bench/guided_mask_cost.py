@@ -14,9 +14,6 @@ sequences of the same request spec, the median over --repeats), the same with th
 (`warm+row`); and per sequence `start` (a request's guide looked up and a sequence's parse started,
 warm) and `first_start_ms` (the same on a fresh engine's guides: the tokenizer's vocabulary made
 ready for guides, and the guide built).
-
-Runs against either checkout: the package layout is found by trying the newer module names first,
-so `/path/to/other/.venv/bin/python bench/guided_mask_cost.py` measures that checkout's code.
 """
 
 from __future__ import annotations
@@ -26,21 +23,14 @@ import json
 import statistics
 import time
 
-try:  # the package's layout by concern
-    from tritonllm.engine.sampling_params import SamplingParams
-    from tritonllm.guided.decoding import Guides
-    from tritonllm.models.loader import load_tokenizer
-    from tritonllm.models.model_files import resolve_model_dir
-    from tritonllm.runner.logit_adjustments import AllowedTokens, _guide_allows
-except ImportError:  # the earlier flat layout
-    from tritonllm.guided_decoding import Guides
-    from tritonllm.loader import load_tokenizer
-    from tritonllm.logit_adjustments import AllowedTokens, _guide_allows
-    from tritonllm.model_files import resolve_model_dir
-    from tritonllm.sampling_params import SamplingParams
-
 import numpy as np
 import torch
+
+from tritonllm.core.sampling_params import SamplingParams
+from tritonllm.guided.decoding import Guides
+from tritonllm.models.loader import load_tokenizer
+from tritonllm.models.model_files import resolve_model_dir
+from tritonllm.runner.logit_adjustments import AllowedTokens, _guide_allows
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},

@@ -17,11 +17,11 @@ import time
 import torch
 
 from tritonllm.scheduling.block_manager import PrefixMatch
-from tritonllm.engine.config import EngineConfig
+from tritonllm.core.config import EngineConfig
 from tritonllm.engine.engine import Engine
-from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.core.sampling_params import SamplingParams
 from tritonllm.scheduling.scheduler import ScheduledSeq
-from tritonllm.engine.sequence import Sequence
+from tritonllm.core.sequence import Sequence
 
 
 def fixed_text() -> str:

@@ -10,14 +10,16 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
-from tritonllm.serving.launcher import TritonServer
 from tritonllm_client.stream import GenerationParams, StreamingClient
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the tests' tritonserver harness, shared with the benchmarks
+from tritonserver_harness import TritonServer  # noqa: E402
 MODEL_NAME = "smollm2"
 
 

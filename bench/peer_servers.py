@@ -126,7 +126,7 @@ def start_on_free_port(spec: PeerSpec, log_path: Path, attempts: int = 3) -> Pee
     """Start `spec` on a loopback port picked just before the launch. Another process can still take
     the port before the server binds it (a client connection's ephemeral port, say), so a start-up
     that fails for that reason is tried again on a new port."""
-    from tritonllm.serving.launcher import free_port
+    from tritonllm.serving.tritonserver_process import free_port
 
     for _ in range(attempts - 1):
         try:

@@ -13,9 +13,9 @@ import json
 import statistics
 import time
 
-from tritonllm.engine.config import EngineConfig
+from tritonllm.core.config import EngineConfig
 from tritonllm.engine.engine import Engine
-from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.core.sampling_params import SamplingParams
 
 SYSTEM = ("You are a careful assistant for a public library. You answer questions about opening hours, "
           "borrowing rules, late fees, events, study rooms, printing, accessibility services and the "

@@ -101,7 +101,7 @@ def decode_flops(model: nn.Module, batch: int, context_lens: list[int]) -> dict:
 def decode_step(model_dir: Path, threads: int, prompt_ids: list[list[int]], batch: int = 64,
                 warm_steps: int = 4, steps: int = 16) -> dict:
     """Time `steps` decode steps of the offline Engine with `batch` sequences all decoding."""
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
     prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]

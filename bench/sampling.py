@@ -16,14 +16,14 @@ import argparse
 import json
 import time
 
-from tritonllm.engine.config import EngineConfig
+from tritonllm.core.config import EngineConfig
 from tritonllm.engine.engine import Engine
-from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.core.sampling_params import SamplingParams
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
                                            "city": {"type": "string"},
                                            "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
-# The same person as GBNF (guided_grammar.py, llguidance) rather than a schema (our regex automaton).
+# The same person as GBNF (guided/grammar.py, llguidance) rather than a schema (our regex automaton).
 PERSON_GBNF = r"""
 root   ::= "{\"name\": " string ", \"age\": " [0-9]{1,3} ", \"city\": " string ", \"hobbies\": [" hobbies "]}"
 hobbies ::= ( string ( ", " string ){0,2} )?

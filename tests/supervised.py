@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from tritonllm.serving.launcher import _pick_ports
+from tritonllm.serving.tritonserver_process import pick_ports
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,7 +77,7 @@ class Supervised:
     def __init__(self, repository: Path, log_path: Path, *extra: str, startup_timeout: float = 600):
         self.repository = Path(repository)
         self.log_path = Path(log_path)
-        self.http_port, self.grpc_port, self.metrics_port = _pick_ports(None, None, None)
+        self.http_port, self.grpc_port, self.metrics_port = pick_ports(None, None, None)
         self.extra, self.startup_timeout = extra, startup_timeout
         self.process: subprocess.Popen | None = None
 
@@ -141,7 +141,7 @@ class Supervised:
                 if len(argv) > 1 and argv[0].endswith("triton_python_backend_stub") and argv[1].startswith(folder)]
 
     def tp_workers(self, model: str = "smollm2") -> list[int]:
-        return [pid for stub in self.stubs(model) for pid, argv in children(stub) if "tritonllm.parallel.worker" in argv]
+        return [pid for stub in self.stubs(model) for pid, argv in children(stub) if "tritonllm.runner.tp_worker" in argv]
 
     def metric(self, name: str, **labels) -> float:
         from grpc_stream import metric, scrape

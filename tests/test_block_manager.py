@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from tritonllm.scheduling.block_manager import BlockManager, KVCopy, PrefixMatch, chain_hash
-from tritonllm.engine.sampling_params import SamplingParams
-from tritonllm.engine.sequence import Sequence
+from tritonllm.core.sampling_params import SamplingParams
+from tritonllm.core.sequence import Sequence
+
+pytestmark = pytest.mark.unit
 
 BS = 4
 

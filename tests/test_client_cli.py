@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parent.parent
 SCENARIOS = REPO / "loadtest" / "scenarios"
 CLI_TIMEOUT_S = 300
@@ -142,7 +144,7 @@ def test_generate_ignore_eos_gives_exact_token_count(triton_server):
 
 @pytest.mark.server
 def test_generate_repetition_penalty_gives_the_offline_engine_text(triton_server, engine):
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
 
     proc = run_cli("generate", "Hi", "--url", triton_server.grpc_url, "--max-tokens", "16", "--ignore-eos",
                    "--no-chat", "--repetition-penalty", "1.3")
@@ -194,7 +196,7 @@ def test_bench_smoke_scenario(triton_server, tmp_path):
 
 @pytest.mark.server
 def test_generate_passes_any_sampling_parameter_as_json(triton_server, engine):
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
 
     [plain] = engine.generate(["Hi"], SamplingParams(max_tokens=8, ignore_eos=True))
     banned = plain.token_ids[0]
@@ -209,7 +211,7 @@ def test_generate_passes_any_sampling_parameter_as_json(triton_server, engine):
 
 @pytest.mark.server
 def test_generate_prints_each_of_n_sampled_completions(triton_server, engine):
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
 
     proc = run_cli("generate", "Once upon a time", "--url", triton_server.grpc_url, "--max-tokens", "10",
                    "--ignore-eos", "--no-chat", "--temperature", "1.0", "--param", "n=3", "--param", "seed=3")
@@ -222,7 +224,7 @@ def test_generate_prints_each_of_n_sampled_completions(triton_server, engine):
 
 @pytest.mark.server
 def test_generate_shows_prompt_and_output_logprobs(triton_server, engine, tokenizer):
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
 
     proc = run_cli("generate", "The capital of France is", "--url", triton_server.grpc_url, "--max-tokens", "5",
                    "--ignore-eos", "--no-chat", "--logprobs", "2", "--prompt-logprobs", "1")

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from tritonllm.embeddings.config import EmbeddingConfig
-from tritonllm.engine.config import RETIRED_PARAMETERS, EngineConfig, parameter_fields
-from tritonllm.engine.parameters import ConfigError
+from tritonllm.core.config import RETIRED_PARAMETERS, EngineConfig, parameter_fields
+from tritonllm.core.parameters import ConfigError
+
+pytestmark = pytest.mark.unit
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
 REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
@@ -73,7 +75,7 @@ def test_greedy_screen_takes_a_kind_or_a_boolean(given, kept):
 
 
 def test_retired_parameters_load_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="tritonllm.engine.config"):
+    with caplog.at_level(logging.WARNING, logger="tritonllm.core.config"):
         config = EngineConfig.from_parameters({"amx_gemm": "true", "seed": "3", "max_num_seqs": "4"})
     assert config.scheduler.max_num_seqs == 4
     assert "'amx_gemm' is ignored" in caplog.text and "'seed' is ignored" in caplog.text

@@ -16,7 +16,8 @@ from tritonllm.layers.kv_layout import write_kv
 from tritonllm.layers.rotary import RotaryEmbedding, apply_rotary
 
 # Where a compiler exists the kernels must build: a broken build must not hide behind the fallback.
-pytestmark = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")]
 
 
 @pytest.fixture(autouse=True)
@@ -52,93 +53,150 @@ def test_each_checkout_keeps_its_own_build(monkeypatch, tmp_path):
     finally:
         other.rmdir()
 
-def _case(batch: int, kv_heads: int, per_kv: int, max_blocks: int, seed: int, head_dim: int = 64, block_size: int = 16):
+def _case(batch: int, kv_heads: int, per_kv: int, max_blocks: int, seed: int, head_dim: int = 64, block_size: int = 16,
+          window: int | None = None):
+    """One decode per sequence: (q, k_cache, v_cache, block_table, row_seq, row_end, row_start, mask). The
+    last sequence's second block is given back (-1); `mask` [batch, width]: what each row sees, for the
+    torch reference."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = batch * max_blocks + 8
     k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
     v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
-    tables = torch.randperm(num_blocks, generator=gen)[:batch * max_blocks].view(batch, max_blocks)
+    table = torch.randperm(num_blocks, generator=gen)[:batch * max_blocks].view(batch, max_blocks).to(torch.int32)
     width = max_blocks * block_size
     lengths = torch.randint(1, width + 1, (batch,), generator=gen).sort().values
-    mask = torch.arange(width)[None, :] < lengths[:, None]
     if max_blocks > 2:
-        mask[-1, block_size:2 * block_size] = False  # a block pruned from the window
+        lengths[-1] = max(int(lengths[-1]), 2 * block_size + 1)
+        table[-1, 1] = -1  # a block pruned from the window (kv_window)
+    row_seq, row_end = torch.arange(batch, dtype=torch.int32), lengths.to(torch.int32)
+    row_start = (row_end - window).clamp(min=0) if window else torch.zeros_like(row_end)
+    pos = torch.arange(width)[None, :]
+    mask = (pos < row_end[:, None]) & (pos >= row_start[:, None]) & (table >= 0).repeat_interleave(block_size, dim=1)
     q = torch.randn(batch, kv_heads * per_kv, head_dim, generator=gen)
-    return q, k_cache, v_cache, tables, mask
+    return q, k_cache, v_cache, table, row_seq, row_end, row_start, mask
+
+
+def _reference(q, k_cache, v_cache, table, mask, scale):
+    """The torch reference's decode attention (layers/attention.py) over the same keys."""
+    group = _Group(rows=slice(0, q.shape[0]), tables=table.long().clamp(min=0), mask=mask[:, None, None, :])
+    return _decode_group(q, k_cache, v_cache, group, scale)
 
 
 # head_dim 64 / 128 with block size 16 / 32 take the vector path; head_dim 48 and block size 8 do not
 # divide into AVX-512 registers and take the scalar one. The vector path scores a KV head's query
 # heads in groups of up to 4 that divide per_kv: 1, 2, 3 and 4 heads at once, 6 as two groups of 3,
 # 5 one at a time.
-@pytest.mark.parametrize("batch,kv_heads,per_kv,max_blocks,head_dim,block_size", [
-    (1, 1, 1, 1, 64, 16), (5, 3, 3, 4, 64, 16), (64, 3, 3, 20, 64, 16), (7, 2, 4, 9, 64, 16),
-    (6, 2, 4, 5, 128, 16), (4, 3, 3, 3, 64, 32), (5, 3, 3, 4, 48, 16), (5, 3, 3, 6, 64, 8),
-    (3, 2, 2, 4, 64, 16), (3, 1, 6, 4, 64, 16), (3, 1, 5, 4, 64, 16)])
+SHAPES = [(1, 1, 1, 1, 64, 16), (5, 3, 3, 4, 64, 16), (64, 3, 3, 20, 64, 16), (7, 2, 4, 9, 64, 16),
+          (6, 2, 4, 5, 128, 16), (4, 3, 3, 3, 64, 32), (5, 3, 3, 4, 48, 16), (5, 3, 3, 6, 64, 8),
+          (3, 2, 2, 4, 64, 16), (3, 1, 6, 4, 64, 16), (3, 1, 5, 4, 64, 16)]
+
+
+@pytest.mark.parametrize("batch,kv_heads,per_kv,max_blocks,head_dim,block_size", SHAPES)
 def test_kernel_equals_torch_path(batch, kv_heads, per_kv, max_blocks, head_dim, block_size):
-    q, k_cache, v_cache, tables, mask = _case(batch, kv_heads, per_kv, max_blocks, seed=batch, head_dim=head_dim,
-                                              block_size=block_size)
+    q, k_cache, v_cache, table, row_seq, row_end, row_start, mask = _case(
+        batch, kv_heads, per_kv, max_blocks, seed=batch, head_dim=head_dim, block_size=block_size)
     scale = q.shape[-1] ** -0.5
-    group = _Group(rows=slice(0, batch), tables=tables, mask=mask[:, None, None, :])
-    expected = _decode_group(q, k_cache, v_cache, group, scale)
-    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, scale)
+    expected = _reference(q, k_cache, v_cache, table, mask, scale)
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, row_seq, row_end, row_start, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# A sliding layer's rows see their last `window` positions: a window of 7 or 37 starts mid-block, one of
+# 16 at a block's first key where the position allows; the blocks wholly behind it are not visited.
+@pytest.mark.parametrize("window", [7, 16, 37])
+@pytest.mark.parametrize("batch,kv_heads,per_kv,max_blocks,head_dim,block_size", [
+    (64, 3, 3, 20, 64, 16), (7, 2, 4, 9, 64, 16), (4, 3, 3, 3, 64, 32), (5, 3, 3, 4, 48, 16), (5, 3, 3, 6, 64, 8)])
+def test_kernel_equals_torch_path_in_a_sliding_window(window, batch, kv_heads, per_kv, max_blocks, head_dim,
+                                                      block_size):
+    q, k_cache, v_cache, table, row_seq, row_end, row_start, mask = _case(
+        batch, kv_heads, per_kv, max_blocks, seed=batch + window, head_dim=head_dim, block_size=block_size,
+        window=window)
+    scale = head_dim ** -0.5
+    expected = _reference(q, k_cache, v_cache, table, mask, scale)
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, row_seq, row_end, row_start, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_result_does_not_depend_on_the_thread_count():
-    # The threads claim (sequence, KV head) items as they go (csrc/claimed_chunks.h); each item is
+    # The threads claim (row, KV head) items as they go (csrc/claimed_chunks.h); each item is
     # computed whole by one thread, so the result is the same whoever takes it.
-    q, k_cache, v_cache, tables, mask = _case(48, 3, 3, 12, seed=11)
+    q, k_cache, v_cache, *rows, _ = _case(48, 3, 3, 12, seed=11)
     threads = torch.get_num_threads()
     try:
         results = []
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            results.append(cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, 0.125))
+            results.append(cpu_kernels.paged_decode_attention(q, k_cache, v_cache, *rows, 0.125))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
+def test_a_row_result_does_not_depend_on_the_other_rows_or_their_order():
+    """Rows are claimed longest first whatever order they come in (a step's rows need not be sorted);
+    each row's result is the same alone, among others, or with the rows shuffled."""
+    q, k_cache, v_cache, table, row_seq, row_end, row_start, _ = _case(24, 3, 3, 12, seed=5, window=40)
+    whole = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, row_seq, row_end, row_start, 0.125)
+    perm = torch.randperm(24, generator=torch.Generator().manual_seed(0))
+    shuffled = cpu_kernels.paged_decode_attention(q[perm], k_cache, v_cache, table, row_seq[perm], row_end[perm],
+                                                  row_start[perm], 0.125)
+    assert torch.equal(shuffled, whole[perm])
+    for r in (0, 23):
+        one = cpu_kernels.paged_decode_attention(q[r:r + 1], k_cache, v_cache, table, row_seq[r:r + 1],
+                                                 row_end[r:r + 1], row_start[r:r + 1], 0.125)
+        assert torch.equal(one, whole[r:r + 1])
+
+
 # A 16-bit pool (kv_cache_dtype): the kernel widens each row as it loads it, the torch path converts
 # the gathered blocks; both then do float32 arithmetic on the same values.
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("batch,kv_heads,per_kv,max_blocks,head_dim,block_size", [
-    (64, 3, 3, 20, 64, 16), (6, 2, 4, 5, 128, 16), (4, 3, 3, 3, 64, 32), (5, 3, 3, 4, 48, 16)])
+@pytest.mark.parametrize("batch,kv_heads,per_kv,max_blocks,head_dim,block_size,window", [
+    (64, 3, 3, 20, 64, 16, None), (6, 2, 4, 5, 128, 16, None), (4, 3, 3, 3, 64, 32, 37), (5, 3, 3, 4, 48, 16, 7)])
 def test_kernel_equals_torch_path_on_a_16_bit_pool(kv_dtype, batch, kv_heads, per_kv, max_blocks, head_dim,
-                                                   block_size):
-    q, k_cache, v_cache, tables, mask = _case(batch, kv_heads, per_kv, max_blocks, seed=batch, head_dim=head_dim,
-                                              block_size=block_size)
+                                                   block_size, window):
+    q, k_cache, v_cache, table, row_seq, row_end, row_start, mask = _case(
+        batch, kv_heads, per_kv, max_blocks, seed=batch, head_dim=head_dim, block_size=block_size, window=window)
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     scale = head_dim ** -0.5
-    group = _Group(rows=slice(0, batch), tables=tables, mask=mask[:, None, None, :])
-    expected = _decode_group(q, k_cache, v_cache, group, scale)
-    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, scale)
+    expected = _reference(q, k_cache, v_cache, table, mask, scale)
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, row_seq, row_end, row_start, scale)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 21])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (48, 16)])
-def test_kernel_never_reads_rows_outside_the_mask(head_dim, block_size):
-    # Slots past a sequence's length or pruned from its window may hold anything (the pool is not
-    # cleared): NaN there must not reach the output.
-    q, k_cache, v_cache, tables, mask = _case(6, 3, 3, 5, seed=3, head_dim=head_dim, block_size=block_size)
+def test_kernel_never_reads_rows_outside_what_each_row_sees(head_dim, block_size, window):
+    # Slots past a sequence's length, behind its window, or in blocks it gave back (-1) may hold anything
+    # (the pool is not cleared): NaN there must not reach the output.
+    q, k_cache, v_cache, table, row_seq, row_end, row_start, mask = _case(
+        6, 3, 3, 5, seed=3, head_dim=head_dim, block_size=block_size, window=window)
     scale = head_dim ** -0.5
-    expected = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, scale)
-    for b in range(tables.shape[0]):
+    expected = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, row_seq, row_end, row_start, scale)
+    listed = set(table[table >= 0].tolist())
+    for block in range(k_cache.shape[1]):
+        if block not in listed:  # among them the block the last sequence gave back
+            k_cache[:, block] = v_cache[:, block] = float("nan")
+    for b in range(table.shape[0]):
         for pos in (~mask[b]).nonzero().flatten().tolist():
-            block, offset = tables[b, pos // block_size], pos % block_size
-            k_cache[:, block, offset] = float("nan")
-            v_cache[:, block, offset] = float("nan")
-    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, scale)
+            block, offset = int(table[b, pos // block_size]), pos % block_size
+            if block >= 0:
+                k_cache[:, block, offset] = v_cache[:, block, offset] = float("nan")
+    got = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, row_seq, row_end, row_start, scale)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_kernel_rejects_bad_block_ids():
-    q, k_cache, v_cache, tables, mask = _case(2, 1, 1, 2, seed=0)
-    tables[0, 0] = k_cache.shape[1]  # one past the pool
-    with pytest.raises(RuntimeError, match="out of range"):
-        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, mask, 0.125)
+def test_kernel_rejects_bad_block_ids_and_rows():
+    q, k_cache, v_cache, table, row_seq, row_end, row_start, _ = _case(2, 1, 1, 2, seed=0)
+    for bad in (k_cache.shape[1], -2):  # one past the pool; below -1 (the one negative id: a given-back block)
+        bad_table = table.clone()
+        bad_table[0, 0] = bad
+        with pytest.raises(RuntimeError, match="block id out of range"):
+            cpu_kernels.paged_decode_attention(q, k_cache, v_cache, bad_table, row_seq, row_end, row_start, 0.125)
+    with pytest.raises(RuntimeError, match="row_seq out of range"):
+        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, row_seq + 1, row_end, row_start, 0.125)
+    with pytest.raises(RuntimeError, match="outside the table"):  # keys past the table's width
+        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, row_seq, row_end + 2 * 16, row_start, 0.125)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 64, 300])
@@ -203,15 +261,14 @@ def test_rope_write_kv_rejects_bad_slots_and_dtypes():
 
 @pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 49152), (64, 1000)])
 def test_greedy_head_equals_torch_path(rows, vocab):
-    from tritonllm.devices.cpu.backend import CpuBackend
-    from tritonllm.engine.config import CpuOptions
+    from tritonllm.devices.cpu.head import CpuGreedyHead
     from tritonllm.runner.sampler import choose_tokens, unpack_tokens
     from tritonllm.runner.sampling_batch import SamplingBatch
 
     gen = torch.Generator().manual_seed(rows)
     logits = torch.randn(rows, vocab, generator=gen) * 8
     logits[0, vocab // 2] = logits[0, vocab - 1] = logits[0].max() + 1  # a tie: the lower index wins
-    fused = CpuBackend(CpuOptions(), torch.float32, batch_hint=64).greedy_head
+    fused = CpuGreedyHead(fused=True).argmax_logprob
     ids, logprobs = unpack_tokens(choose_tokens(logits.clone(), SamplingBatch(), fused).numpy())
     ref_ids, ref_logprobs = unpack_tokens(choose_tokens(logits.clone(), SamplingBatch()).numpy())
     assert ids == ref_ids and ids[0] == vocab // 2
@@ -238,18 +295,21 @@ def test_greedy_head_finds_the_first_of_equal_maxima_anywhere_in_a_row():
         assert cpu_kernels.greedy_head(one, logprobs=False)[0].tolist() == [vocab - 1]
 
 
+@pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("decode_lengths,prompts", [
     ([], [(0, 37)]),  # one prompt alone
-    ([], [(16, 90), (0, 5), (32, 17)]),  # prompt chunks after cached prefixes, padded to one another
+    ([], [(16, 90), (0, 5), (32, 17)]),  # prompt chunks after cached prefixes
     ([3, 40, 41, 200], [(48, 70), (0, 2)]),  # decodes and prompt chunks in one step
 ])
-def test_prompt_chunks_through_the_kernel_equal_the_sdpa_path(decode_lengths, prompts):
-    """Each prompt token goes through the decode kernel as a query row with its own causal mask."""
+def test_prompt_chunks_through_the_kernel_equal_the_sdpa_path(decode_lengths, prompts, window):
+    """Each prompt token goes through the decode kernel as a query row of its own, every row of the step
+    in one call, reading its sequence's table up to its position (in a sliding layer, from its
+    position + 1 - window: a window of 24 starts mid-block)."""
     from tritonllm.devices.cpu.fused_layers import kernel_attention
     from tritonllm.layers.attention import paged_attention
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
     from tritonllm.scheduling.scheduler import ScheduledSeq
-    from tritonllm.engine.sequence import Sequence
+    from tritonllm.core.sequence import Sequence
     from tritonllm.runner.step_inputs import build_host_step, to_device
 
     block_size, kv_heads, heads, head_dim, num_blocks = 16, 3, 9, 64, 128
@@ -264,20 +324,24 @@ def test_prompt_chunks_through_the_kernel_equal_the_sdpa_path(decode_lengths, pr
     for item in scheduled:
         if item.num_new_tokens > 1 and item.seq.num_computed_tokens >= 2 * block_size:
             item.seq.block_table[1] = -1  # a cached block pruned from the window (kv_window)
-    host, _ = build_host_step(scheduled, block_size, with_groups=True)
+        if window is not None:  # blocks behind every one of its rows' windows are given back
+            behind = (item.seq.num_computed_tokens + 1 - window) // block_size
+            item.seq.block_table[:max(behind, 0)] = [-1] * max(behind, 0)
+    host, _ = build_host_step(scheduled, block_size)
     k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
     v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=gen)
     q = torch.randn(len(host.input_ids), heads, head_dim, generator=gen)
     scale = head_dim ** -0.5
     meta = to_device(host, torch.device("cpu")).meta
-    expected = paged_attention(q, k_cache, v_cache, meta.seqs, scale)
-    got = kernel_attention(q, k_cache, v_cache, meta, scale)
+    expected = paged_attention(q, k_cache, v_cache, meta.seqs, scale, window=window)
+    got = kernel_attention(q, k_cache, v_cache, meta.seqs, scale, window)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
 def test_engine_tokens_equal_with_and_without_kernel(kv_cache_dtype):
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
@@ -287,6 +351,6 @@ def test_engine_tokens_equal_with_and_without_kernel(kv_cache_dtype):
     for on in (True, False):
         engine = Engine(EngineConfig.from_parameters(device="cpu", num_threads=2, cpu_kernels=on, num_kv_blocks=256, warmup=False,
                                      kv_cache_dtype=kv_cache_dtype))
-        assert engine.runner.backend.kernels is on
+        assert engine.runner.backend.ops.kernels is on
         outputs[on] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outputs[True] == outputs[False]

@@ -9,6 +9,8 @@ import torch
 from tritonllm.devices.cpu import kernels as cpu_kernels
 from tritonllm.devices.cpu.decoder_stack import DecoderStack
 
+pytestmark = pytest.mark.engine
+
 avx512 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
                             reason="kernels built without AVX-512 (this CPU lacks it)")
 
@@ -18,42 +20,38 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def engine(model_dir, **overrides):
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
     return Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2, num_kv_blocks=256, warmup=False, **overrides))
 
 
 def stack_of(model) -> DecoderStack | None:
-    """The stack the CPU backend runs the model's layers through, if it gave it one."""
-    return getattr(model.run_layers, "stack", None)
+    """The stack the CPU's ops run the model's layers through, if the backend gave them one."""
+    return model.ops.decoder_stack
 
 
 def use_modules(model) -> None:
-    """Run the layers as modules: the model's own `run_layers` again."""
-    del model.run_layers
+    """Run the layers one by one: no whole-stack op."""
+    model.ops.decoder_stack = None
 
 
 class CountingStack:
-    """Wraps the model's stack to count the steps that take it."""
+    """Stands in for the model's stack to count the steps that take it."""
 
     def __init__(self, stack):
         self.stack, self.calls = stack, []
 
-    def applies(self, hidden, meta):
-        return self.stack.applies(hidden, meta)
-
-    def __call__(self, hidden, kv_caches, meta, attention):
-        self.calls.append(hidden.shape[0])
-        return self.stack(hidden, kv_caches, meta, attention)
-
-    wrap = DecoderStack.wrap  # the same choice per step as the stack's own
+    def run(self, hidden, kv_caches, meta):
+        out = self.stack.run(hidden, kv_caches, meta)
+        if out is not None:
+            self.calls.append(hidden.shape[0])
+        return out
 
 
 def count_stack_steps(model) -> CountingStack:
     counter = CountingStack(stack_of(model))
-    use_modules(model)
-    model.run_layers = counter.wrap(model.run_layers)
+    model.ops.decoder_stack = counter
     return counter
 
 
@@ -63,7 +61,7 @@ def test_engine_outputs_equal_with_and_without_the_stack(model_dir, exact_blocks
     """Greedy ids and log-probs, bit for bit, for one request (prompt step, then decode steps of one
     row) and for three of different lengths at once (a prompt-only step, then decodes), with the
     layers as one call and as modules; with and without the exact blocks (panels at few rows too)."""
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     results = {}
@@ -84,23 +82,24 @@ def test_engine_outputs_equal_with_and_without_the_stack(model_dir, exact_blocks
 
 @avx512
 def test_a_mixed_step_takes_the_stack_with_the_modules_results(model_dir):
-    """A step with decodes beside a prompt chunk runs two attention calls (the decodes, then the
-    prompt's tokens); its ids and log-probs are the modules' bit for bit."""
-    from tritonllm.engine.sampling_params import SamplingParams
+    """A step with decodes beside a prompt chunk runs one attention call per layer over both (the decode's
+    row, then a row per prompt token); its ids and log-probs are the modules' bit for bit."""
+    from tritonllm.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=6, logprobs=True, ignore_eos=True)
     results = {}
     for on in (True, False):
         eng = engine(model_dir)
         model = eng.runner.model
-        calls_per_step = []
+        steps = []  # per step: (decodes, sequences)
         stack = stack_of(model)
         real_applies = stack.applies
 
-        def applies(hidden, meta, real_applies=real_applies, calls_per_step=calls_per_step):
-            calls = real_applies(hidden, meta)
-            calls_per_step.append(len(calls))
-            return calls if on else None
+        def applies(hidden, meta, real_applies=real_applies, steps=steps):
+            rows = real_applies(hidden, meta)
+            assert rows is not None and len(rows[0]) == hidden.shape[0]  # one row per token
+            steps.append((meta.seqs.num_decodes, len(meta.seqs.seq_lens_host)))
+            return rows if on else None
 
         stack.applies = applies
         first = eng.make_sequence("Tell me about the moon.", params)
@@ -111,7 +110,7 @@ def test_a_mixed_step_takes_the_stack_with_the_modules_results(model_dir):
         eng.step()  # the first one's decode beside the second one's prompt
         while eng.has_unfinished():
             eng.step()
-        assert calls_per_step[:2] == [1, 2]
+        assert steps[:2] == [(0, 1), (1, 2)]  # a prompt alone, then a decode beside a prompt
         results[on] = [(seq.output_token_ids, torch.tensor(seq.output_logprobs)) for seq in (first, second)]
     for (ids_on, lp_on), (ids_off, lp_off) in zip(results[True], results[False]):
         assert ids_on == ids_off and torch.equal(bits(lp_on), bits(lp_off))
@@ -127,7 +126,7 @@ def test_query_key_and_output_norms_run_in_the_stack_with_the_modules_results(fa
     import transformers
 
     from tiny_models import tiny_config_args, write_tiny_model
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
 
     args = {**tiny_config_args(tokenizer), "num_hidden_layers": 3}
     config = (transformers.Qwen3Config(**args, head_dim=32) if family == "qwen3" else transformers.Olmo2Config(**args))
@@ -150,6 +149,37 @@ def test_query_key_and_output_norms_run_in_the_stack_with_the_modules_results(fa
     assert torch.equal(bits(results[True][1]), bits(results[False][1]))
     for ids, out in zip(prompts, results[True][0]):
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        assert out == expected[0, len(ids):].tolist()
+
+
+@avx512
+def test_layers_that_all_slide_with_one_window_run_in_the_stack_with_the_modules_results(tokenizer, tmp_path):
+    """Where every layer attends to its last `sliding_window` positions (Mistral), one pool serves them all
+    and the stack's attention rows carry the window: outputs running past it, the blocks behind it given
+    back, are the modules' bit for bit and transformers' greedy ones."""
+    import transformers
+
+    from tiny_models import tiny_config_args, write_tiny_model
+    from tritonllm.core.sampling_params import SamplingParams
+
+    args = {**tiny_config_args(tokenizer), "num_hidden_layers": 3}
+    reference = write_tiny_model(transformers.MistralConfig(**args, sliding_window=20), tokenizer, tmp_path)
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in ("def fibonacci(n):", "Once upon a time", "1, 2, 3")]
+    params = SamplingParams(max_tokens=30, logprobs=True, ignore_eos=True)
+    results = {}
+    for on in (True, False):
+        eng = engine(tmp_path)
+        model = eng.runner.model
+        assert model.kv_release_window == 20 and stack_of(model) is not None
+        counter = count_stack_steps(model) if on else use_modules(model)
+        outs = eng.generate(prompt_token_ids=prompts, params=params)
+        results[on] = ([o.token_ids for o in outs], torch.tensor([o.logprobs for o in outs]))
+        if on:
+            assert 3 in counter.calls and any(rows > 3 for rows in counter.calls)
+    assert results[True][0] == results[False][0]
+    assert torch.equal(bits(results[True][1]), bits(results[False][1]))
+    for ids, out in zip(prompts, results[True][0]):
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=30, min_new_tokens=30, do_sample=False)
         assert out == expected[0, len(ids):].tolist()
 
 

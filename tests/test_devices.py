@@ -11,6 +11,9 @@ import torch
 
 from prompts import PLAIN_PROMPTS
 
+pytestmark = pytest.mark.device
+
+
 def _npu_available() -> bool:
     try:
         import torch_npu  # noqa: F401
@@ -88,7 +91,7 @@ def test_a_served_stream_and_a_cancelled_one_on_the_device(device, tmp_path):
     end, and a stream cancelled mid-way whose KV blocks come back."""
     from conftest import REPO
     from grpc_stream import StreamClient, make_inputs, metric, scrape, wait_for_kv_blocks_in_use
-    from tritonllm.serving.launcher import TritonServer
+    from tritonserver_harness import TritonServer
 
     server = TritonServer(REPO / "model_repository", log_path=tmp_path / "tritonserver.log",
                           extra_args=["--model-control-mode=explicit", "--load-model=smollm2",
@@ -110,13 +113,12 @@ def test_a_served_stream_and_a_cancelled_one_on_the_device(device, tmp_path):
         server.stop()
 
 
+@pytest.mark.unit
 def test_float32_on_cuda_runs_the_reference_attention():
     """FlashInfer's kernels take float16 and bfloat16 only: float32 gets the torch reference attention,
     and asking for FlashInfer with float32 is refused at load. (Needs no GPU: the choice is made first.)"""
-    from tritonllm.devices.cuda.backend import CudaBackend
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.devices.cuda.backend import choose_attention
 
-    cpu = torch.device("cpu")
-    assert CudaBackend(EngineConfig(), cpu, torch.float32).attention == "torch"
+    assert choose_attention("auto", torch.float32)[0] == "torch"
     with pytest.raises(ValueError, match="cuda_attention=flashinfer needs dtype float16 or bfloat16"):
-        CudaBackend(EngineConfig().with_parameters(cuda_attention="flashinfer"), cpu, torch.float32)
+        choose_attention("flashinfer", torch.float32)

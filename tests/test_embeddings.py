@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
-from tritonllm.engine.parameters import ConfigError
+from tritonllm.core.parameters import ConfigError
 from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
 from tritonllm.embeddings.engine import EmbeddingEngine
 from tritonllm.embeddings.request import TIMESTAMPS, EmbeddingRequest, TextItem
 from tritonllm.embeddings.scheduler import EmbeddingScheduler
 from tritonllm.serving.embedding_model import parse_embedding_request
 from tritonllm.layers.packed_attention import MAX_PADDING, make_groups
-from tritonllm.engine.sampling_params import InvalidRequestError
+from tritonllm.core.sampling_params import InvalidRequestError
+
+pytestmark = pytest.mark.engine
 
 MAX_COSINE_DISTANCE = 1e-5
 TEXTS = CHAT_PROMPTS[:6] + PLAIN_PROMPTS[:4] + [
@@ -138,6 +140,7 @@ def _items(lengths):
     return [TextItem(request, i) for i in range(len(lengths))]
 
 
+@pytest.mark.unit
 def test_scheduler_fills_the_token_budget_in_arrival_order():
     sched = EmbeddingScheduler(max_num_batched_tokens=100, max_num_seqs=3)
     sched.add(_items([40, 50, 20, 5, 90]))
@@ -150,6 +153,7 @@ def test_scheduler_fills_the_token_budget_in_arrival_order():
     assert sched.schedule() == [] and sched.num_waiting == 0 and sched.num_dropped == 1
 
 
+@pytest.mark.unit
 def test_attention_groups_bound_the_padding():
     lens = [3, 3, 4, 9, 10, 10, 11, 60, 250, 256]
     groups = make_groups(lens)
@@ -162,6 +166,7 @@ def test_attention_groups_bound_the_padding():
     assert make_groups([7, 7, 7])[0].pad_index is None  # equal lengths: no gather, no mask
 
 
+@pytest.mark.unit
 def test_config_names_the_bad_parameter():
     with pytest.raises(ConfigError, match="'max_num_batch_tokens'"):
         EmbeddingConfig.from_parameters({"max_num_batch_tokens": "512"})
@@ -171,6 +176,7 @@ def test_config_names_the_bad_parameter():
         EmbeddingConfig.from_parameters({"max_model_len": "512", "max_num_batched_tokens": "256"})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("inputs, message", [
     ({}, "no text_input"),
     ({"text_input": np.array([], dtype=object)}, "no text"),

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
-from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.core.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.engine
 
 MAX_NEW = 24
 
@@ -93,7 +95,7 @@ def test_float16_kv_cache_halves_kv_memory_and_stays_close_to_transformers(model
     # K/V rounded to float16 (kv_cache_dtype) change the arithmetic, so exact equality is not owed;
     # what is: half the bytes per token, and greedy outputs that mostly still equal the float32
     # reference (62 of the seed replay's 64 long outputs do, docs/PERFORMANCE.md).
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
     half = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=512, kv_cache_dtype="float16", warmup=False))

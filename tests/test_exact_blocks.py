@@ -1,4 +1,4 @@
-"""Float32 weights that are exactly quantized blocks (layers/exact_blocks.py) and the GEMM on those
+"""Float32 weights that are exactly quantized blocks (devices/cpu/exact_blocks.py) and the GEMM on those
 blocks (csrc/exact_block_gemm.cpp): found only where exact, and the same results bit for bit."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import torch
 from tritonllm.devices.cpu import kernels as cpu_kernels
 from tritonllm.devices.cpu.exact_blocks import find_blocks
 from tritonllm.devices.cpu.packed_linear import BLOCKS_MAX_ROWS, PackedWeight
+
+pytestmark = pytest.mark.unit
 
 avx512 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
                             reason="kernels built without AVX-512 (this CPU lacks it)")
@@ -241,17 +243,17 @@ def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
     """The packaged GGUF is Q4_1 in every decoder linear and Q8_0 in its tied embedding: every linear
     and the LM head get their blocks, and on the real weights the block GEMM gives the float32
     GEMM's results bit for bit."""
-    from tritonllm.devices.cpu.backend import CpuBackend
-    from tritonllm.devices.cpu.packed_linear import PackedLinear
-    from tritonllm.engine.config import CpuOptions
-    from tritonllm.models.loader import load_model
+    from tritonllm.core.config import EngineConfig
+    from tritonllm.layers.linear import Linear
+    from tritonllm.parallel.shard import SINGLE
+    from tritonllm.runner.model_shard import ModelShard
 
-    backend = CpuBackend(CpuOptions(gemm="avx512", exact_blocks=True), torch.float32, batch_hint=64)
-    model = backend.optimize(load_model(model_dir, torch.float32, torch.device("cpu"), 256))
-    linears = [m.packed for m in model.layers.modules() if isinstance(m, PackedLinear)]
+    config = EngineConfig.from_parameters(cpu_gemm="avx512", exact_block_weights=True, max_num_seqs=64)
+    shard = ModelShard(config, model_dir, torch.device("cpu"), torch.float32, 256, SINGLE)
+    model = shard.model
+    linears = [m.packed for m in model.layers.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * model.num_layers and all(p.blocks is not None for p in linears)
-    head = backend.head
-    assert model.lm_head.packed is head
+    head = model.lm_head.packed
     assert head is not None and head.blocks is not None and head.blocks[0].shape[2] == 32  # 8-bit codes
     gen = torch.Generator().manual_seed(0)
     for rows in (BLOCKS_MAX_ROWS, 64, 300):  # 300: a step with a prompt chunk, as tune_blocks_max_rows may hand them
@@ -261,7 +263,7 @@ def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
             assert torch.equal(bits(cpu_kernels.block_gemm(x, *p.blocks, None, p.out_features)), bits(want))
     # The rows up to which the blocks are read were timed at load; never fewer than the default.
     assert all(p.blocks_max_rows == linears[0].blocks_max_rows >= BLOCKS_MAX_ROWS for p in linears)
-    assert model.run_layers.stack.blocks_max_rows == linears[0].blocks_max_rows
+    assert model.ops.decoder_stack.blocks_max_rows == linears[0].blocks_max_rows
     assert head.blocks_max_rows >= BLOCKS_MAX_ROWS  # the head's own crossover, timed alike
 
 
@@ -269,16 +271,16 @@ def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
 def test_engine_outputs_equal_with_and_without_the_blocks(model_dir):
     """Greedy ids and log-probs, bit for bit, at one row (the exact head instead of the screen) and at
     three rows (the layers on their blocks, the screen for the head), with the blocks on and off."""
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     results = {}
     for on in (True, False):
         engine = Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2, exact_block_weights=on,
                                                      num_kv_blocks=256, warmup=False))
-        assert (engine.runner.backend.head.blocks is not None) is on
+        assert (engine.runner.model.lm_head.packed.blocks is not None) is on
         alone = engine.generate(prompts[:1], SamplingParams(max_tokens=16, logprobs=True))
         ids_only = engine.generate(prompts, SamplingParams(max_tokens=16, logprobs=False))
         results[on] = ([o.token_ids for o in alone], torch.tensor([o.logprobs for o in alone]),

@@ -690,7 +690,7 @@ def test_top_k_past_int64_samples_like_no_limit(triton_server):
 @pytest.fixture(scope="module")
 def small_engine(model_dir):
     """A small engine of its own: these tests break it on purpose."""
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
     return Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=64, max_model_len=512, max_num_seqs=2,
@@ -712,9 +712,10 @@ def _broken_execute(inputs):
     raise RuntimeError("injected device fault")
 
 
+@pytest.mark.engine
 def test_engine_thread_dying_fails_every_request_and_refuses_new_ones(small_engine, monkeypatch):
     from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
 
     engine = small_engine
     loop = EngineLoop(engine)
@@ -749,6 +750,7 @@ def test_engine_thread_dying_fails_every_request_and_refuses_new_ones(small_engi
     assert len(done.token_ids) == 3  # the engine object itself is still usable
 
 
+@pytest.mark.engine
 def test_a_request_submitted_while_the_engine_dies_is_not_lost(small_engine, monkeypatch):
     """submit() checks the loop is alive, then tokenizes, then queues: the loop may die in between.
 
@@ -756,7 +758,7 @@ def test_a_request_submitted_while_the_engine_dies_is_not_lost(small_engine, mon
     into an inbox nobody drains again.
     """
     from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
 
     engine = small_engine
     loop = EngineLoop(engine)

@@ -12,6 +12,8 @@ import torch
 from tritonllm.devices.cpu import kernels as cpu_kernels
 from tritonllm.devices.cpu.greedy_screen import GreedyScreen, Int8GreedyScreen, error_bound_factor, int8_bound_factors
 
+pytestmark = pytest.mark.unit
+
 avx512_bf16 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_bf16_supported()),
                                  reason="kernels built without AVX512-BF16 (this CPU lacks it)")
 avx512_vnni = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.int8_screen_supported()),
@@ -155,9 +157,9 @@ def test_int8_screen_rejects_bad_shapes_and_handles_nan_zero_and_tiny_rows():
 
 @pytest.mark.parametrize("kind", SCREENS)
 def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_asked(model_dir, kind):
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
                "Once upon a time, in a small village by the mountains, there lived"]
@@ -167,7 +169,7 @@ def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_a
         engine = Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2,
                                                      greedy_screen=kind if on else "false", num_kv_blocks=256,
                                                      warmup=False))
-        assert engine.runner.backend.screen_kind() == (kind if on else None)
+        assert engine.runner.backend.head.screen_kind() == (kind if on else None)
         outputs[on] = [o.token_ids for o in engine.generate(prompts, ids_only)]
         if on:  # one request wants log-probs, three do not, in the same steps: it gets them (the float32
             # head), they get NaN (the screen), and every id is the one it had alone
@@ -195,9 +197,9 @@ def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_pat
 
     from safetensors.torch import load_file, save_file
 
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
-    from tritonllm.engine.sampling_params import SamplingParams
+    from tritonllm.core.sampling_params import SamplingParams
 
     untied = tmp_path / "untied"
     shutil.copytree(model_dir, untied, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -214,7 +216,7 @@ def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_pat
         engine = Engine(EngineConfig.from_parameters(model=str(untied), num_threads=2, greedy_screen=on,
                                                      num_kv_blocks=128, warmup=False))
         model = engine.runner.model
-        assert not model.tie_word_embeddings and (engine.runner.backend.screen is not None) is on
+        assert not model.tie_word_embeddings and (engine.runner.backend.head.screen is not None) is on
         outputs[on] = [o.token_ids for o in engine.generate(["The capital of France is", "Hi"],
                                                              SamplingParams(max_tokens=16, logprobs=False))]
     assert outputs[True] == outputs[False]
@@ -225,12 +227,10 @@ def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_pat
 def test_each_setting_builds_the_screens_it_names():
     """auto builds both to time them; true the first this CPU runs (the 8-bit one); int8 or bfloat16 that
     one; and the 8-bit screen is left out for a hidden size its blocks of 32 do not divide."""
-    from tritonllm.devices.cpu.backend import CpuBackend
-    from tritonllm.engine.config import CpuOptions
+    from tritonllm.devices.cpu.head import build_screens
 
     def built(setting: str, hidden: int = 64) -> list[str]:
-        backend = CpuBackend(CpuOptions(greedy_screen=setting), torch.float32, batch_hint=8)
-        return [type(s).__name__ for s in backend._build_screens(torch.randn(40, hidden))]
+        return [type(s).__name__ for s in build_screens(setting, torch.randn(40, hidden))]
 
     assert built("auto") == ["Int8GreedyScreen", "GreedyScreen"]
     assert built("true") == ["Int8GreedyScreen"]

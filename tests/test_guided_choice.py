@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
 from tritonllm.guided.decoding import Guides
+
+pytestmark = pytest.mark.unit
 
 CHOICES = ["The Eiffel Tower", "The Louvre museum", "The Seine", "Notre-Dame de Paris", "The"]
 # The packaged model's tokenizer writes each of these emoji as three byte-level pieces, not one token.

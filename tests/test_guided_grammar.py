@@ -11,9 +11,11 @@ import re
 import pytest
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
-from tritonllm.guided.decoding import Guides
+from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.guided.decoding import Guides, parse_guided_decoding
 from tritonllm.guided.grammar import GrammarVocabulary, GuidedGrammar, compile_grammar
+
+pytestmark = pytest.mark.unit
 
 # Lists of numbers nested to any depth: not a regular language, so no regular expression guide can follow it.
 NESTED_GBNF = """
@@ -120,7 +122,7 @@ def test_text_the_grammar_forces_is_written_as_the_tokenizer_writes_it(tokenizer
 ])
 def test_a_grammar_that_cannot_be_followed_is_a_clear_error(grammar, message):
     with pytest.raises(InvalidRequestError, match=message):
-        SamplingParams(guided_decoding={"grammar": grammar})
+        parse_guided_decoding({"grammar": grammar})
 
 
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -183,7 +185,7 @@ def test_a_recursive_json_schema_is_followed(engine):
     broken = json.loads(json.dumps(TREE))
     broken["$defs"]["node"]["properties"]["name"]["pattern"] = "[a-"
     with pytest.raises(InvalidRequestError, match="unclosed character class"):  # llguidance's check, on arrival
-        SamplingParams(guided_decoding={"json": broken})
+        engine.generate(["x"], SamplingParams(max_tokens=1, guided_decoding={"json": broken}))
 
 
 @pytest.mark.server

@@ -13,8 +13,10 @@ import llguidance
 import pytest
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
-from tritonllm.guided.decoding import Guides
+from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.guided.decoding import Guides, parse_guided_decoding
+
+pytestmark = pytest.mark.unit
 
 PERSON = {
     "type": "object",
@@ -156,7 +158,7 @@ def test_keywords_left_unenforced_and_unknown_formats_are_accepted(guides, token
 ])
 def test_what_a_schema_guide_cannot_follow_is_a_clear_error(guided, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)):
-        SamplingParams(guided_decoding=guided)
+        parse_guided_decoding(guided)
 
 
 def _fits_person(value) -> bool:

@@ -13,8 +13,10 @@ import pytest
 import regex  # transformers' tokenizer dependency: its partial matching is the independent oracle here
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
-from tritonllm.guided.decoding import Guides
+from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.guided.decoding import Guides, parse_guided_decoding
+
+pytestmark = pytest.mark.unit
 
 PATTERNS = [r"a[^\"x-z\d]*|(b{2,3})\.?", r"\d{3}-\d{4}", r"(ab|a)*c?", r"[a-c]+?b", r"x.y", r"(?s)x.y",
             r"\w+\s\W", r"^(yes|no)$", r"[^a]{0,3}", r"(a|b|)+c{1,2}", r"\Aab\Z"]
@@ -113,7 +115,7 @@ def test_a_prefix_is_live_exactly_when_some_continuation_can_match(guides, token
 ])
 def test_what_the_guide_cannot_follow_is_refused(pattern, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)):
-        SamplingParams(guided_decoding={"regex": pattern})
+        parse_guided_decoding({"regex": pattern})
 
 
 def test_case_insensitive_scoped_flags_and_long_repeats_are_followed(guides, token_bytes, whole_texts):

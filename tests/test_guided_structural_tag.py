@@ -9,8 +9,10 @@ import json
 import pytest
 
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.guided.decoding import Guides
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.guided.decoding import Guides, parse_guided_decoding
+from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 PROMPT = "What's the weather like in Paris today? Answer in one sentence."
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}},
@@ -124,7 +126,7 @@ def test_a_trigger_that_is_a_special_token_is_matched_as_that_token(engine, toke
 ])
 def test_a_structural_tag_that_cannot_be_followed_is_a_clear_error(tag, message):
     with pytest.raises(InvalidRequestError, match=message):
-        SamplingParams(guided_decoding={"structural_tag": tag})
+        parse_guided_decoding({"structural_tag": tag})
 
 
 @pytest.mark.server

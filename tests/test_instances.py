@@ -9,6 +9,8 @@ import pytest
 
 from grpc_stream import StreamClient, make_inputs, metric, scrape
 
+pytestmark = pytest.mark.unit
+
 # Small limits so two engines start fast and share the two cores without a fight.
 TWO_INSTANCES = dict(instance_count=2, warmup="false", exact_block_weights="false", num_kv_blocks=128, max_model_len=512,
                      num_threads=1)

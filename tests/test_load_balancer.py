@@ -23,7 +23,7 @@ import pytest
 
 from supervised import FAST, StreamProbe, Supervised, generate_inputs, get, make_repository
 
-from tritonllm.serving.launcher import _pick_ports
+from tritonllm.serving.tritonserver_process import pick_ports
 
 pytestmark = [pytest.mark.server, pytest.mark.skipif(shutil.which("haproxy") is None,
                                                      reason="haproxy is not installed (scripts/install.sh test installs it)")]
@@ -37,7 +37,7 @@ class Balancer:
     """HAProxy with deploy/haproxy.cfg in front of servers a and b; their state from its stats page."""
 
     def __init__(self, a: Supervised, b: Supervised, log_path: Path):
-        self.http_port, self.grpc_port, self.stats_port = _pick_ports(None, None, None)
+        self.http_port, self.grpc_port, self.stats_port = pick_ports(None, None, None)
         env = dict(os.environ, TRITONLLM_LB_HOST="127.0.0.1", TRITONLLM_LB_HTTP_PORT=str(self.http_port),
                    TRITONLLM_LB_GRPC_PORT=str(self.grpc_port), TRITONLLM_LB_STATS_PORT=str(self.stats_port))
         for name, server in (("A", a), ("B", b)):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 # Only look for locust: importing it monkey-patches the whole test process with gevent, and the
 # other tests' threads and gRPC streams then hang. Locust runs in a subprocess below.
 if importlib.util.find_spec("locust") is None:

@@ -10,9 +10,11 @@ from grpc_stream import StreamClient, make_inputs
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
 from tritonllm.guided.decoding import Guides
 from tritonllm.runner.logit_adjustments import LogitAdjustments
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
 from tritonllm.scheduling.scheduler import ScheduledSeq
-from tritonllm.engine.sequence import Sequence
+from tritonllm.core.sequence import Sequence
+
+pytestmark = pytest.mark.unit
 
 MAX_NEW = 24
 

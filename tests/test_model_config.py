@@ -15,8 +15,11 @@ from tritonclient.grpc import model_config_pb2
 
 from conftest import REPO, write_variant_repo
 from grpc_stream import StreamClient, make_inputs
-from tritonllm.serving.launcher import TritonServer, find_pytriton
+from tritonllm.serving.tritonserver_process import find_pytriton
+from tritonserver_harness import TritonServer
 from tritonllm.serving.model_io import EMBEDDING_INPUTS, GENERATE_INPUTS, GENERATE_OUTPUTS, complete_config
+
+pytestmark = pytest.mark.unit
 
 # The tensors as config.pbtxt listed them before the models declared them: what Triton must still serve,
 # and what a repository written then still holds.

@@ -10,9 +10,11 @@ import torch
 import transformers
 
 from tiny_models import tiny_config_args, write_tiny_model
-from tritonllm.engine.config import EngineConfig
+from tritonllm.core.config import EngineConfig
 from tritonllm.engine.engine import Engine
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.engine
 
 PROMPTS = ["The capital of France is a city that", "def fibonacci(n):", "Once upon a time, in a land far away, there"]
 MAX_TOKENS = 24

@@ -8,6 +8,8 @@ import pytest
 
 from tritonllm.models import model_files
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):

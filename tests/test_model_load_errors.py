@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tritonllm.serving.launcher import TritonServer
+from tritonserver_harness import TritonServer
 
 pytestmark = pytest.mark.server
 

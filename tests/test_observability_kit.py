@@ -12,6 +12,8 @@ import yaml
 
 from grpc_stream import scrape
 
+pytestmark = pytest.mark.unit
+
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 _SELECTOR = re.compile(r"\b(llm_[a-z0-9_]+|vllm:[a-z0-9_:]+)(\{[^}]*\})?")
 _MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')

@@ -1,4 +1,4 @@
-"""A model's stub process never outlives its tritonserver (backend/orphan_guard.py), and ends cleanly
+"""A model's stub process never outlives its tritonserver (backend/serving/orphan_guard.py), and ends cleanly
 with it.
 
 Without the guard, `kill -9` of tritonserver left the smollm2 stub running (~3 GB, still using
@@ -40,7 +40,7 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def _start(tmp_path: Path):
-    from tritonllm.serving.launcher import TritonServer
+    from tritonserver_harness import TritonServer
 
     repo = write_variant_repo(tmp_path / "repo", warmup="false", exact_block_weights="false")  # a quick load
     server = TritonServer(repo, log_path=tmp_path / "tritonserver.log",
@@ -75,6 +75,6 @@ def test_a_normal_stop_ends_the_stub_and_its_guard_cleanly(tmp_path):
     assert not _wait_gone([stub, guard], timeout=15)
     log = server.log_text()
     assert "orphan guard" not in log
-    # The stub writes its stacks on a crash (triton_model.py): with the model's metrics left to Python's
+    # The stub writes its stacks on a crash (serving/generate_model.py): with the model's metrics left to Python's
     # exit, tritonserver 2.51's stub crashed there at every stop (metrics.EngineMetrics.close).
     assert "Fatal Python error" not in log, log[log.find("Fatal Python error"):][:2000]

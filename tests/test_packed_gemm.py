@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from tritonllm.devices.cpu import kernels as cpu_kernels
 from tritonllm.devices.cpu.packed_linear import PackedWeight, resolve_cpu_gemm
 
+pytestmark = pytest.mark.unit
+
 needs_compiler = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
 avx512 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
                             reason="kernels built without AVX-512 (this CPU lacks it)")
@@ -145,9 +147,10 @@ def test_cpu_gemm_falls_back_where_the_kernel_cannot_run():
     assert resolve_cpu_gemm("avx512_bf16", torch.device("cuda"), torch.float32) == "aten"
 
 
+@pytest.mark.engine
 @avx512
 def test_engine_tokens_equal_on_every_cpu_gemm():
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
     prompts = ["The capital of France is", "Write a haiku about the sea.",
@@ -187,6 +190,7 @@ def assert_greedy_up_to_noise(engine, prompt_ids, output_ids, logprobs=None, tol
         assert max(diffs) <= tol and sum(diffs) / len(diffs) <= mean_tol, diffs
 
 
+@pytest.mark.engine
 @avx512_bf16
 def test_engine_with_bf16_gemm_is_float32_with_bf16_rounded_gemm_operands():
     """`cpu_gemm=avx512_bf16`: every GEMM of the engine (layers and LM head) takes the bfloat16 kernel,
@@ -200,7 +204,7 @@ def test_engine_with_bf16_gemm_is_float32_with_bf16_rounded_gemm_operands():
     float32 head's on the same hidden states."""
     from torch import nn
 
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
     prompts = ["The capital of France is", "Write a haiku about the sea.",
@@ -209,11 +213,11 @@ def test_engine_with_bf16_gemm_is_float32_with_bf16_rounded_gemm_operands():
     engine = Engine(EngineConfig.from_parameters(device="cpu", num_threads=2, cpu_gemm="avx512_bf16", num_kv_blocks=256,
                                                  warmup=False))
     model = engine.runner.model
-    from tritonllm.devices.cpu.packed_linear import PackedLinear
+    from tritonllm.layers.linear import Linear
 
-    layers = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    layers = [m for m in model.layers.modules() if isinstance(m, Linear)]
     assert len(layers) == 4 * model.num_layers and all(m.packed.kernel == "avx512_bf16" for m in layers)
-    assert model.lm_head.packed.data is engine.runner.backend.screen.packed  # one bfloat16 copy of the head
+    assert model.lm_head.packed.data is engine.runner.backend.head.screen.packed  # one bfloat16 copy of the head
     prompt_ids = [engine.tokenizer.encode(p) for p in prompts]
     got = engine.generate(prompt_token_ids=prompt_ids, params=params)
     got_ids_only = engine.generate(prompt_token_ids=prompt_ids, params={**params, "logprobs": False})
@@ -223,15 +227,16 @@ def test_engine_with_bf16_gemm_is_float32_with_bf16_rounded_gemm_operands():
                                                     warmup=False))
     model = reference.runner.model
     for module in model.layers.modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, Linear):
             module.weight.data = bf16_rounded(module.weight.data)
             module.register_forward_pre_hook(lambda module, args: (bf16_rounded(args[0]),))
+    float32_head = model.lm_head
     rounded_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
     rounded_head.weight.data = bf16_rounded(model.embed_tokens.weight.data)
     rounded_head.register_forward_pre_hook(lambda module, args: (bf16_rounded(args[0]),))
     model.lm_head = rounded_head
     for ids, out in zip(prompt_ids, got):
         assert_greedy_up_to_noise(reference, ids, out.token_ids, out.logprobs)
-    model.lm_head = None  # the float32 head the screen's ids are exact for
+    model.lm_head = float32_head  # the float32 head the screen's ids are exact for
     for ids, out in zip(prompt_ids, got_ids_only):
         assert_greedy_up_to_noise(reference, ids, out.token_ids)

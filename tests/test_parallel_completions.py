@@ -8,7 +8,9 @@ import pytest
 
 from grpc_stream import StreamClient, make_inputs, metric, scrape, wait_for_kv_blocks_in_use
 from prompts import LONG_TEXT
-from tritonllm.engine.sampling_params import MAX_N, InvalidRequestError, SamplingParams
+from tritonllm.core.sampling_params import MAX_N, InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 PROMPT = "Parallel completions share one prompt. " + LONG_TEXT[:400]
 

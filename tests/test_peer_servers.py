@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import peer_servers  # noqa: E402
 from peer_servers import PORT, PeerSpec, PortTakenError, start_on_free_port  # noqa: E402

@@ -10,7 +10,9 @@ import torch
 
 from grpc_stream import StreamClient, make_inputs
 from prompts import PLAIN_PROMPTS
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 LONG = " ".join(PLAIN_PROMPTS[:6])  # longer than the engine's 512-token step budget: several chunks
 

@@ -3,9 +3,12 @@ min-p, never a token those exclude, and the same tokens again for the same gener
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tritonllm.runner.sampler import SamplingBatch, choose_tokens
+
+pytestmark = pytest.mark.unit
 
 DRAWS = 40_000  # rows of one batch: each row is one independent draw
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from tritonllm.engine.config import CacheConfig, SchedulerConfig
+import pytest
+
+from tritonllm.core.config import CacheConfig, SchedulerConfig
 from tritonllm.scheduling.block_manager import BlockManager
-from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.core.sampling_params import SamplingParams
 from tritonllm.scheduling.scheduler import Scheduler
-from tritonllm.engine.sequence import FinishReason, Sequence
+from tritonllm.core.sequence import FinishReason, Sequence
+
+pytestmark = pytest.mark.unit
 
 BS = 4
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from tritonllm.serving import launcher as server_module
-from tritonllm.serving.launcher import TritonServer, build_command, find_pytriton
+from tritonllm.serving.tritonserver_process import build_command, find_pytriton
+from tritonserver_harness import TritonServer
 
 pytestmark = pytest.mark.server
 
@@ -61,6 +62,7 @@ def server(tmp_path_factory):
         yield srv
 
 
+@pytest.mark.unit
 def test_build_command_binds_loopback_by_default(tmp_path):
     cmd = build_command(tmp_path, 1, 2, 3)
     for flag in ("--http-address", "--grpc-address", "--metrics-address"):
@@ -69,6 +71,7 @@ def test_build_command_binds_loopback_by_default(tmp_path):
     assert build_command(tmp_path, 1, 2, 3, extra_args=["--x=1"])[-1] == "--x=1"
 
 
+@pytest.mark.unit
 def test_main_without_supervision_execs_tritonserver_with_passthrough_args(tmp_path, monkeypatch, capsys):
     try:
         find_pytriton()

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.server
 def test_a_frozen_stub_is_found_out_with_its_threads_stacks(tmp_path):
     """A stub frozen with SIGSTOP stands in for one stuck for good. (Its own server: tritonserver itself
     aborts on a lock timeout once a stub that froze mid-exchange goes on.)"""
-    from tritonllm.serving.launcher import TritonServer
+    from tritonserver_harness import TritonServer
 
     from supervised import FAST  # the model's speed is not what this is about
 

@@ -8,10 +8,12 @@ import math
 import pytest
 
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
-from tritonllm.engine.config import EngineConfig, SpeculativeConfig
-from tritonllm.engine.parameters import ConfigError
+from tritonllm.core.config import EngineConfig, SpeculativeConfig
+from tritonllm.core.parameters import ConfigError
 from tritonllm.scheduling.ngram_draft import DraftAcceptance, NgramIndex, accepted_tokens
-from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.core.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 COPY_PROMPT = "Repeat the following text word for word.\n\n" + LONG_TEXT[:600]
 

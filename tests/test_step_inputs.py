@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from tritonllm.devices.cpu.attention_rows import attention_rows
 from tritonllm.scheduling.block_manager import KVCopy
-from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.core.sampling_params import SamplingParams
 from tritonllm.scheduling.scheduler import ScheduledSeq
-from tritonllm.engine.sequence import Sequence
+from tritonllm.core.sequence import Sequence
 from tritonllm.runner.step_inputs import build_host_step, copy_kv_slots, to_device
+
+pytestmark = pytest.mark.unit
 
 
 def _decodes(lengths: list[int]) -> list[ScheduledSeq]:
@@ -56,17 +60,38 @@ def test_the_sliding_layers_own_pool_gets_its_own_slots_tables_and_copies():
     seq = Sequence("r", list(range(10)), SamplingParams())
     seq.block_table, seq.window_block_table, seq.num_computed_tokens = [4, 5, 1], [-1, 2, 0], 6
     copies = [KVCopy(3, 5, 2), KVCopy(1, 2, 2, window=True)]
-    host, _ = build_host_step([ScheduledSeq(seq, 4, copies)], bs, window=2, window_pool=True, with_groups=True)
+    host, _ = build_host_step([ScheduledSeq(seq, 4, copies)], bs, window_pool=True)
     assert host.slot_mapping.tolist() == [22, 23, 4, 5] and host.window_slot_mapping.tolist() == [10, 11, 0, 1]
     step = to_device(host, torch.device("cpu"))
     assert step.meta.slot_mapping.tolist() == [22, 23, 4, 5] and step.meta.sliding.slot_mapping.tolist() == [10, 11, 0, 1]
     assert step.meta.seqs.block_table.tolist() == [[4, 5, 1]]
     assert step.meta.sliding.seqs.block_table.tolist() == [[-1, 2, 0]]  # -1: given back behind the window
-    assert step.meta.prefill.block_tables.tolist() == [[4, 5, 1]]
-    assert step.meta.sliding.prefill.block_tables.tolist() == [[0, 2, 0]]  # -1: behind the window, masked
-    assert not step.meta.sliding.prefill.mask[0, 0, 0, :4].any()
+    # What the CPU kernel's rows (positions 6..9) see with a window of 2: keys from position 5 on, so the
+    # given-back block (positions 0..3) is behind every row's window.
+    row_seq, row_end, row_start = attention_rows(step.meta.sliding.seqs, 2)
+    assert row_seq.tolist() == [0] * 4 and row_end.tolist() == [7, 8, 9, 10] and row_start.tolist() == [5, 6, 7, 8]
     copy_kv_slots(pools, step, [False, True])
     for pool, old in ((pools[0][0], before[0][0]), (pools[0][1], before[0][1])):
         assert torch.equal(pool[:, 5, :2], old[:, 3, :2]) and torch.equal(pool[:, 2], old[:, 2])
     for pool, old in ((pools[1][0], before[1][0]), (pools[1][1], before[1][1])):
         assert torch.equal(pool[:, 2, :2], old[:, 1, :2]) and torch.equal(pool[:, 2, 2:], old[:, 2, 2:])
+
+
+def test_each_query_row_reads_its_sequences_table_up_to_its_position():
+    """The CPU attention kernel's rows (devices/cpu/attention_rows.py), from the step's lengths on the
+    device: decodes one row each, then each prompt token a row of its own; made once per step and window."""
+    items = _decodes([5, 9])
+    seq = Sequence("p", list(range(19)), SamplingParams())
+    seq.num_computed_tokens = 16
+    items.append(ScheduledSeq(seq, 3))
+    for i, item in enumerate(items):
+        item.seq.block_table = [5 * i + j for j in range(5)]
+    host, _ = build_host_step(items, 4)
+    seqs = to_device(host, torch.device("cpu")).meta.seqs
+    row_seq, row_end, row_start = attention_rows(seqs)
+    assert row_seq.tolist() == [0, 1, 2, 2, 2] and row_end.tolist() == [6, 10, 17, 18, 19]
+    assert row_start.tolist() == [0] * 5 and row_seq.dtype == row_end.dtype == row_start.dtype == torch.int32
+    assert attention_rows(seqs, 8)[2].tolist() == [0, 2, 9, 10, 11]  # the last 8 positions
+    assert attention_rows(seqs, 8) is attention_rows(seqs, 8) and attention_rows(seqs)[0] is row_seq
+    decodes_only = to_device(build_host_step(items[:2], 4)[0], torch.device("cpu")).meta.seqs
+    assert [t.tolist() for t in attention_rows(decodes_only)] == [[0, 1], [6, 10], [0, 0]]

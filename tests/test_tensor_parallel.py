@@ -17,6 +17,8 @@ import pytest
 from grpc_stream import StreamClient, make_inputs, metric, scrape
 from prompts import PLAIN_PROMPTS
 
+pytestmark = pytest.mark.engine
+
 GREEDY = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
@@ -33,7 +35,7 @@ def worker_pids(ancestor: int) -> list[int]:
         except OSError:
             continue
         parents[int(entry.name)] = int(stat.rpartition(")")[2].split()[1])
-        if "tritonllm.parallel.worker" in cmdline:
+        if "tritonllm.runner.tp_worker" in cmdline:
             workers.append(int(entry.name))
 
     def descends(pid: int) -> bool:
@@ -48,7 +50,7 @@ def worker_pids(ancestor: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tp_engine(model_dir):
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
     eng = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=512, max_num_seqs=16, tensor_parallel_size=2))
@@ -80,7 +82,7 @@ def test_two_ranks_copy_a_partly_matched_prefix_block_on_every_rank(engine, tp_e
 def test_two_ranks_with_a_float16_kv_cache_give_the_same_greedy_ids_as_one(model_dir, capfd):
     # Each worker allocates its own pool: it must use the configured KV dtype too, not the model's
     # (short greedy outputs do not tell them apart, so the worker's own report is checked as well).
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
     prompts = PLAIN_PROMPTS[:3]
@@ -96,8 +98,8 @@ def test_two_ranks_with_a_float16_kv_cache_give_the_same_greedy_ids_as_one(model
 
 
 def test_a_shard_count_the_model_cannot_take_is_refused(model_dir):
-    from tritonllm.engine.config import EngineConfig
-    from tritonllm.engine.parameters import ConfigError
+    from tritonllm.core.config import EngineConfig
+    from tritonllm.core.parameters import ConfigError
     from tritonllm.engine.engine import Engine
 
     with pytest.raises(ValueError, match="exceeds the model's 3 KV heads"):
@@ -107,7 +109,7 @@ def test_a_shard_count_the_model_cannot_take_is_refused(model_dir):
 
 
 def test_a_worker_dying_mid_stream_fails_the_requests_and_the_engine(model_dir):
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
     from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
 
@@ -203,9 +205,9 @@ def test_served_worker_death_errors_in_flight_and_new_requests(tp_server):
 def test_a_worker_that_cannot_load_fails_the_engine_start_with_its_reason(model_dir, monkeypatch):
     import dataclasses
 
-    from tritonllm.engine.config import EngineConfig
+    from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
-    from tritonllm.parallel.workers import TensorParallelError, WorkerSpec
+    from tritonllm.runner.tp_workers import TensorParallelError, WorkerSpec
     from tritonllm.runner import model_runner
 
     def spec_without_weights(*args):

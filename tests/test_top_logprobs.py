@@ -7,7 +7,9 @@ import torch
 
 from grpc_stream import StreamClient, make_inputs
 from prompts import PLAIN_PROMPTS
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 MAX_NEW = 12
 

@@ -14,7 +14,7 @@ import pytest
 
 from grpc_stream import StreamClient, make_inputs, metric, scrape, wait_for_kv_blocks_in_use
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
-from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.server
 
@@ -207,7 +207,7 @@ def test_the_vllm_backends_metric_families_with_its_labels(triton_server, stream
 
 
 def test_sigusr1_writes_the_stub_threads_stacks_into_the_server_log(triton_server):
-    """`kill -USR1 <stub pid>` (triton_model.py): where a model that stopped answering waits, in the log."""
+    """`kill -USR1 <stub pid>` (serving/generate_model.py): where a model that stopped answering waits, in the log."""
     from server_watch import python_stacks, stub_pids
 
     (pid,) = stub_pids(triton_server)

@@ -8,10 +8,12 @@ import pytest
 
 from grpc_stream import StreamClient, make_inputs
 from prompts import PLAIN_PROMPTS
-from tritonllm.engine.outputs import RequestOutput
+from tritonllm.core.outputs import RequestOutput
 from tritonllm.serving.request_parsing import parse_request
 from tritonllm.serving.response_assembly import ResponseAssembler
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 def test_top_k_minus_one_and_seed_minus_one_mean_off_as_in_vllm():

@@ -10,11 +10,13 @@ import transformers
 
 from tiny_models import tiny_config_args, write_tiny_model
 from tritonllm.scheduling.block_manager import KVCopy, chain_hash
-from tritonllm.engine.config import EngineConfig
+from tritonllm.core.config import EngineConfig
 from tritonllm.engine.engine import Engine
-from tritonllm.engine.sampling_params import SamplingParams
-from tritonllm.engine.sequence import Sequence
+from tritonllm.core.sampling_params import SamplingParams
+from tritonllm.core.sequence import Sequence
 from tritonllm.scheduling.window_pool import WindowPoolBlockManager, window_pool_blocks_per_sequence
+
+pytestmark = pytest.mark.unit
 
 BS = 4
 WINDOW = 32  # the tiny models' sliding window, in tokens (blocks of 16 in the engine)

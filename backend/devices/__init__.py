@@ -1,35 +1,39 @@
-"""Device backends: what a device adds to the plain PyTorch model, chosen and applied in one place.
+"""Device backends: which implementation of each op a model runs on its device, chosen in one place.
 
-models/ and layers/ are plain PyTorch that runs on any device; that is the code a reader reads. A
-backend (devices/backend.py: the interface, which is also the torch reference) is chosen once per
-engine by `select_backend` from the device and that device's options, and applied once to each
-loaded model by `backend.optimize(model)` (on every tensor-parallel rank). The runner then asks it
-only for the step-level choices it makes: how decodes are grouped, and the greedy head's fast paths.
+models/ and layers/ are plain PyTorch whose layers call declared ops (layers/ops.py); that is the code
+a reader reads, and it is the code that runs. A backend (devices/backend.py: the interface, which is
+also the torch reference) is chosen once per engine by `select_backend`, from the device and that
+device's options in config.pbtxt. It hands the model its ops when the model is built, prepares their
+weights once after load, and gives the runner its greedy head; the load log names the plan.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tritonllm.devices.backend import DeviceBackend
-from tritonllm.engine.config import EngineConfig
+from tritonllm.core.config import EngineConfig
+from tritonllm.devices.backend import DeviceBackend, Runtime
+from tritonllm.devices.platform import resolve_kv_cache_dtype
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, config: EngineConfig) -> DeviceBackend:
-    """The backend for a model in `dtype` on `device`, with that device's options from `config`: our CPU
-    kernels, FlashInfer and decode graphs on CUDA, torch_npu's attention on Ascend; the torch reference
-    on any other device. Each imports its libraries only when chosen."""
+def select_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                   rank: int = 0) -> DeviceBackend:
+    """The backend for a model in `dtype` on `device` (tensor-parallel `rank`), with that device's options
+    from `config`: our CPU kernels, FlashInfer and decode graphs on CUDA, torch_npu's attention on Ascend;
+    the torch reference on any other device. Each imports its libraries only when chosen."""
+    runtime = Runtime(device, dtype, resolve_kv_cache_dtype(config.cache.dtype, dtype), config.cache.block_size,
+                      config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len,
+                      config.parallel.tensor_parallel_size, rank)
     if device.type == "cpu":
         from tritonllm.devices.cpu.backend import CpuBackend
 
-        return CpuBackend(config.cpu, dtype, batch_hint=config.scheduler.max_num_seqs,
-                          step_rows=config.scheduler.max_num_batched_tokens)
+        return CpuBackend(config.cpu, runtime)
     if device.type == "cuda":
         from tritonllm.devices.cuda.backend import CudaBackend
 
-        return CudaBackend(config, device, dtype)
+        return CudaBackend(config.cuda, runtime)
     if device.type == "npu":
         from tritonllm.devices.npu.backend import NpuBackend
 
-        return NpuBackend(config, device, dtype)
-    return DeviceBackend()
+        return NpuBackend(config.npu, runtime)
+    return DeviceBackend(None, runtime)

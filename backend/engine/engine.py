@@ -15,14 +15,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tritonllm.core.config import EngineConfig, SpeculativeConfig
+from tritonllm.core.outputs import CompletionOutput, RequestOutput
+from tritonllm.core.parameters import ConfigError
+from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
+from tritonllm.core.sequence import FinishReason, Sequence
 from tritonllm.devices import platform
-from tritonllm.engine.config import EngineConfig, SpeculativeConfig
 from tritonllm.engine.detokenizer import IncrementalDetokenizer
-from tritonllm.engine.outputs import CompletionOutput, RequestOutput
-from tritonllm.engine.parameters import ConfigError
-from tritonllm.engine.sampling_params import InvalidRequestError, SamplingParams
-from tritonllm.engine.sequence import FinishReason, Sequence
-from tritonllm.guided.decoding import Guides
+from tritonllm.guided.decoding import Guides, check_guided_decoding
 from tritonllm.models.families import exact_context_limit
 from tritonllm.models.loader import load_hf_config, load_tokenizer
 from tritonllm.models.model_files import resolve_model_dir
@@ -74,7 +74,7 @@ class Engine:
         self.guides = Guides(self.tokenizer, self.eos_token_ids)
         self.runner = ModelRunner(config, self.model_dir, self.device, self.dtype, self.max_model_len, self.eos_token_ids)
         model, cache = self.runner.model, config.cache
-        if not self.runner.backend.skips_pruned_blocks and (cache.kv_window or cache.kv_window_ratio):
+        if not self.runner.backend.capabilities.skips_pruned_blocks and (cache.kv_window or cache.kv_window_ratio):
             self.runner.close()
             raise ConfigError(f"kv_window pruning leaves holes in block tables that {self.runner.backend.name}'s "
                               "paged-attention kernels cannot skip; set its attention parameter to torch")
@@ -98,7 +98,7 @@ class Engine:
     def _speculative(self, config: EngineConfig) -> SpeculativeConfig:
         """Speculative decoding as configured where the device backend computes drafted rows as a
         one-token decode's, bit for bit; else off (drafts would change a request's tokens)."""
-        if config.speculative.num_tokens and not self.runner.backend.exact_rows:
+        if config.speculative.num_tokens and not self.runner.backend.capabilities.exact_rows:
             logger.info("speculative_tokens=%d: off here (this device backend does not compute a drafted row "
                         "exactly as a one-token decode)", config.speculative.num_tokens)
             return dataclasses.replace(config.speculative, num_tokens=0)
@@ -129,6 +129,8 @@ class Engine:
             params = SamplingParams()
         elif isinstance(params, dict):
             params = SamplingParams.from_dict(params)
+        if params.guided_decoding is not None:  # its form was checked with params; can it be followed?
+            check_guided_decoding(params.guided_decoding)
         if prompt_token_ids is None:
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidRequestError("the prompt is empty: text_input must be a non-empty string")

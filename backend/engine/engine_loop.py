@@ -13,9 +13,9 @@ import threading
 import traceback
 from collections.abc import Callable
 
+from tritonllm.core.outputs import RequestOutput
+from tritonllm.core.sampling_params import InvalidRequestError
 from tritonllm.engine.engine import Engine, QueueFullError
-from tritonllm.engine.outputs import RequestOutput
-from tritonllm.engine.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ Every kind is followed by llguidance (grammar.py says what each compiles to). `w
 (a regular expression) replaces the JSON guides' whitespace: without it JSON is written compactly,
 with one space after `:` and `,`. `backend` and vLLM's other switches are accepted and change nothing
 here. A pattern, schema, grammar or tag this server cannot follow is refused with a clear error when
-the request arrives.
+the request arrives: its form when its SamplingParams are made (core/guided_request.py), the rest by
+`check_guided_decoding` here, which the engine runs on each request before it is queued.
 """
 
 from __future__ import annotations
@@ -24,56 +25,30 @@ import json
 import threading
 from collections import OrderedDict
 
-from tritonllm.engine.errors import InvalidRequestError, json_object
+from tritonllm.core.errors import InvalidRequestError
+from tritonllm.core.guided_request import GUIDE_KINDS, parse_guided_request
 from tritonllm.guided.grammar import (GrammarVocabulary, GuidedGrammar, choice_grammar, closed_objects, compile_grammar,
                                       compile_json_schema_grammar, compile_regex, json_compile_options)
-from tritonllm.guided.structural_tag import parse_structural_tag, structural_tag_grammar, structural_tag_text
-
-GUIDE_KINDS = ("choice", "regex", "json", "json_object", "grammar", "structural_tag")
-# Accepted for vLLM clients; none changes what a guide allows here.
-_SWITCHES = ("backend", "whitespace_pattern", "disable_fallback", "disable_any_whitespace",
-             "disable_additional_properties")
+from tritonllm.guided.structural_tag import structural_tag_grammar, structural_tag_text
 
 
 def parse_guided_decoding(guided) -> dict | None:
-    """`guided` (a dict or its JSON text) checked: the dict to keep, or InvalidRequestError saying what is wrong."""
-    if guided is None:
-        return None
-    guided = json_object(guided, "guided_decoding")  # JSON text too, as the vLLM backend also takes it
-    given = {k: v for k, v in guided.items() if v is not None and v is not False}
-    unsupported = sorted(set(given) - set(GUIDE_KINDS) - set(_SWITCHES))
-    if unsupported:
-        raise InvalidRequestError(f"guided_decoding {unsupported} is not supported by this server; "
-                                  f"supported: {', '.join(GUIDE_KINDS)}")
-    kinds = [k for k in GUIDE_KINDS if k in given]
-    if len(kinds) != 1:
-        raise InvalidRequestError(f"guided_decoding needs exactly one of {', '.join(GUIDE_KINDS)}; got {kinds or 'none'}")
-    [kind] = kinds
-    if kind == "choice":
-        choice = given["choice"]
-        if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):
-            raise InvalidRequestError(f"guided_decoding choice must be a non-empty list of non-empty strings, "
-                                      f"got {choice!r}")
-    elif kind in ("regex", "grammar") and (not isinstance(given[kind], str) or not given[kind].strip()):
-        raise InvalidRequestError(f"guided_decoding {kind} must be a non-empty string, got {given[kind]!r}")
-    elif kind == "json":
-        if isinstance(given["json"], str):
-            try:
-                given["json"] = json.loads(given["json"])
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"guided_decoding json schema is not valid JSON: {exc}") from None
-        if given["json"] is not True and not isinstance(given["json"], dict):
-            raise InvalidRequestError(f"guided_decoding json schema must be a JSON object or true, got {given['json']!r}")
-    elif kind == "structural_tag":
-        given["structural_tag"] = parse_structural_tag(given["structural_tag"])
-    if not isinstance(given.get("whitespace_pattern", ""), str):
-        raise InvalidRequestError("guided_decoding whitespace_pattern must be a string (a regular expression)")
-    # Refuse what cannot be followed now, rather than mid-batch (a choice always can).
+    """`guided` (a dict or its JSON text) checked: the dict to keep, or InvalidRequestError saying what is
+    wrong. Its form is checked by `parse_guided_request` (core/guided_request.py, when SamplingParams are
+    made); what cannot be followed is refused here, when the request arrives, rather than mid-batch."""
+    given = parse_guided_request(guided)
+    if given is not None:
+        check_guided_decoding(given)
+    return given
+
+
+def check_guided_decoding(given: dict) -> None:
+    """InvalidRequestError if the guided_decoding `given` (its form already checked) cannot be followed
+    (a choice always can)."""
     if "whitespace_pattern" in given:
         json_compile_options(given["whitespace_pattern"])
-    if kind != "choice":
+    if "choice" not in given:
         guide_grammar(given)
-    return given
 
 
 def guide_grammar(guided: dict, special_tokens: frozenset[str] = frozenset()) -> str:

@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from tritonllm.engine.errors import InvalidRequestError
+from tritonllm.core.errors import InvalidRequestError
 from tritonllm.guided.regex_syntax import python_regex_to_rust
 
 # JSON schema keywords llguidance does not enforce that are accepted anyway, the value then being any

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from tritonllm.engine.errors import InvalidRequestError
+from tritonllm.core.errors import InvalidRequestError
 
 # Characters the Rust regex syntax gives a meaning to, outside or inside [...]; escaped when literal.
 _RUST_META = set("\\.+*?()|[]{}^$#&-~")

@@ -7,7 +7,8 @@ model's own; once one does, the rest of the structure's `begin` is forced, then 
 then its `end`, and the text is free again until the next trigger. A structure belongs to the first
 trigger its `begin` starts with, as in vLLM.
 
-llguidance builds the grammar (`StructTag`: a trigger is a lazy lexeme, which ends the free text at
+The request's form is checked by `parse_structural_tag` (core/guided_request.py), which needs
+neither llguidance nor a tokenizer. llguidance builds the grammar (`StructTag`: a trigger is a lazy lexeme, which ends the free text at
 its first occurrence) and grammar.py follows it. A trigger written like `<|python_tag|>` that
 is one of the model's special tokens must be matched as that token, not as text; the tokenizer says
 which, so the request is checked on arrival with every trigger as text and compiled again for the
@@ -22,40 +23,8 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from tritonllm.engine.errors import InvalidRequestError, json_object
+from tritonllm.core.errors import InvalidRequestError
 from tritonllm.guided.grammar import closed_objects, json_compile_options, llguidance_module, one_paragraph
-
-
-def parse_structural_tag(value) -> dict:
-    """The request's structural tag (a dict or its JSON text) checked: `{"structures": [...], "triggers":
-    [...]}` with each structure's schema a dict, or InvalidRequestError saying what is wrong."""
-    value = json_object(value, "guided_decoding structural_tag")
-    if "format" in value:  # xgrammar's newer nested form
-        raise InvalidRequestError('guided_decoding structural_tag takes the {"structures": [...], "triggers": [...]} '
-                                  'form; the "format" form is not supported by this server')
-    unknown = sorted(set(value) - {"type", "structures", "triggers"})
-    if unknown:
-        raise InvalidRequestError(f"guided_decoding structural_tag has unknown keys {unknown}")
-    triggers, structures = value.get("triggers"), value.get("structures")
-    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
-        raise InvalidRequestError(f"guided_decoding structural_tag triggers must be a non-empty list of "
-                                  f"non-empty strings, got {triggers!r}")
-    if not isinstance(structures, list) or not structures:
-        raise InvalidRequestError(f"guided_decoding structural_tag structures must be a non-empty list, got {structures!r}")
-    checked = []
-    for i, s in enumerate(structures):
-        if not isinstance(s, dict) or set(s) - {"begin", "schema", "end"} or not {"begin", "schema", "end"} <= set(s):
-            raise InvalidRequestError(f"guided_decoding structural_tag structures[{i}] must have exactly "
-                                      f'"begin", "schema" and "end", got {s!r}')
-        begin, schema, end = s["begin"], s["schema"], s["end"]
-        if not isinstance(begin, str) or not isinstance(end, str):
-            raise InvalidRequestError(f"guided_decoding structural_tag structures[{i}] begin and end must be strings")
-        schema = json_object(schema, f"guided_decoding structural_tag structures[{i}] schema")
-        if not any(begin.startswith(t) for t in triggers):
-            raise InvalidRequestError(f"guided_decoding structural_tag structures[{i}] begin {begin!r} starts "
-                                      f"with none of the triggers {triggers}")
-        checked.append({"begin": begin, "schema": schema, "end": end})
-    return {"structures": checked, "triggers": list(triggers)}
 
 
 def structural_tag_text(tag: dict) -> str:

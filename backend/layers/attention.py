@@ -15,8 +15,8 @@ GEMMs; SDPA's fixed cost per (sequence, head) is not amortised by a single query
 use SDPA over their gathered blocks. Grouped-query attention folds the query heads that share a KV
 head into the query axis, so K/V are never repeated per query head.
 
-`PagedAttention` is the layer a model holds; a device backend may replace it with a subclass that
-runs the same computation through its own kernels (devices/).
+`PagedAttention` is the layer a model holds; it calls the model's ops (layers/ops.py), whose torch
+reference is `paged_attention` here and whose device implementations live in devices/.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.layers.attention_metadata import AttentionMetadata, SequenceBatch
-from tritonllm.layers.kv_layout import write_kv
-from tritonllm.layers.rotary import apply_rotary
 
 # Decodes are split into up to this many groups by context length: each group is padded to its
 # longest context, so mixed lengths gather less K/V in several groups. A group costs a fixed
@@ -204,26 +202,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 class PagedAttention(nn.Module):
-    """One layer's attention after its QKV projection: rotary embedding on Q and K, K and V written
-    into the paged pool, then attention over each sequence's blocks. This is the torch reference, on a
-    head-major pool; a device backend may turn it into a subclass that does the same through its own
-    kernels (devices/).
+    """One layer's attention after its QKV projection: `ops.rotary_write_kv` (rotary embedding on Q and
+    K, K and V written into the paged pool), then `ops.attention` over each sequence's blocks. The
+    model's ops (layers/ops.py) say which implementation runs: `paged_attention` above is the torch
+    reference's.
 
     `window`: a sliding-window layer's window (None: it attends to the whole context). `softcap`:
     Gemma 2's capped scores (None: plain softmax attention).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, softcap: float | None = None,
-                 window: int | None = None):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops,
+                 softcap: float | None = None, window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.softcap, self.window = scale, softcap, window
+        self.ops = ops
 
     def forward(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """qkv [tokens, heads + 2 kv_heads, head_dim] -> [tokens, heads, head_dim]."""
-        k_cache, v_cache = kv_cache
-        q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv[:, :k_end], *rope)
-        write_kv(k_cache, v_cache, qk[:, q_end:], qkv[:, k_end:], meta.slot_mapping)
-        return paged_attention(qk[:, :q_end], k_cache, v_cache, meta.seqs, self.scale, self.softcap, self.window)
+        q = self.ops.rotary_write_kv(self, qkv, rope, kv_cache, meta.slot_mapping)
+        return self.ops.attention(self, q, kv_cache, meta)

@@ -10,10 +10,8 @@ sequence stays exact (`exact_context_limit`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
-import torch.nn.functional as F
-
+from tritonllm.layers.activations import ACTIVATIONS
 from tritonllm.layers.rotary import partial_rotary_factor
 
 # mixtures of experts in place of (some of) the dense MLPs (`MoeSpec`)
@@ -28,8 +26,6 @@ PROJECTION_NORM_MODEL_TYPES = ("olmo2", "olmo3", "olmoe")
 # where transformers turns only `partial_rotary_factor` of each head's dimensions (Phi-4-mini); the
 # others' transformers modules turn them all whatever the config says
 PARTIAL_ROTARY_MODEL_TYPES = ("phi3",)
-# The MLP's activation on the gate, by the config's `hidden_act` (transformers' ACT2FN names).
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 def activation_name(cfg) -> str:

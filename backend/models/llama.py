@@ -27,12 +27,13 @@ so within it the outputs are the model's own.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.layers.attention import PagedAttention
 from tritonllm.layers.attention_metadata import AttentionMetadata
+from tritonllm.layers.linear import Linear
 from tritonllm.layers.norm import RMSNorm
+from tritonllm.layers.ops import LayerOps
 from tritonllm.layers.rotary import RotaryEmbedding, rope_by_layer_type
 from tritonllm.models.families import (HEAD_NORM_MODEL_TYPES, PROJECTION_NORM_MODEL_TYPES, FamilyVariant, MoeSpec,
                                        attention_window, check_supported, kv_release_window, sliding_layers,
@@ -45,8 +46,8 @@ from tritonllm.parallel.shard import SINGLE, TPShard
 class LlamaAttention(nn.Module):
     """This rank's KV-head groups: column-parallel QKV, row-parallel output projection + all-reduce."""
 
-    def __init__(self, cfg, head_dim: int, tp: TPShard, scale: float | None = None, softcap: float | None = None,
-                 window: int | None = None, local_rope: bool = False):
+    def __init__(self, cfg, head_dim: int, tp: TPShard, ops: LayerOps, scale: float | None = None,
+                 softcap: float | None = None, window: int | None = None, local_rope: bool = False):
         super().__init__()
         kv_start, kv_end = tp.split(cfg.num_key_value_heads)
         per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -57,18 +58,18 @@ class LlamaAttention(nn.Module):
         self.sliding = window is not None  # attends to the last `window` positions (meta.sliding)
         self.local_rope = local_rope  # rotates by the sliding layers' own frequencies (meta.local_rope)
         bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False)) or cfg.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, ops)
+        self.o_proj = Linear(self.num_heads * head_dim, cfg.hidden_size, False, ops)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim,
-                                   head_dim ** -0.5 if scale is None else scale, softcap, window)
+                                   head_dim ** -0.5 if scale is None else scale, ops, softcap, window)
         # Qwen3 and Gemma 3 norm each query and key head; OLMo 2 and 3 the whole projections, of which this
         # rank holds its heads' part (`_projection_norm` takes the statistic over every rank's).
         self.projection_norms = cfg.model_type in PROJECTION_NORM_MODEL_TYPES
         if cfg.model_type in HEAD_NORM_MODEL_TYPES:
-            self.q_norm, self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps), RMSNorm(head_dim, cfg.rms_norm_eps)
+            self.q_norm, self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, ops), RMSNorm(head_dim, cfg.rms_norm_eps, ops)
         elif self.projection_norms:
-            self.q_norm = RMSNorm(self.num_heads * head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.num_kv_heads * head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.num_heads * head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.num_kv_heads * head_dim, cfg.rms_norm_eps, ops)
         else:
             self.q_norm = self.k_norm = None
         self.projection_widths = (cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim)
@@ -101,22 +102,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, head_dim: int, tp: TPShard, variant: FamilyVariant, window: int | None = None,
-                 local_rope: bool = False, moe: MoeSpec | None = None):
+    def __init__(self, cfg, head_dim: int, tp: TPShard, variant: FamilyVariant, ops: LayerOps,
+                 window: int | None = None, local_rope: bool = False, moe: MoeSpec | None = None):
         super().__init__()
         # OLMo 2 and 3 norm neither the attention's input nor the MLP's: those two are None there.
         pre = variant.input_norms
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
-        self.self_attn = LlamaAttention(cfg, head_dim, tp, variant.attention_scale, variant.attention_softcap,
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops) if pre else None
+        self.self_attn = LlamaAttention(cfg, head_dim, tp, ops, variant.attention_scale, variant.attention_softcap,
                                         window, local_rope)
         # The norm between the attention's residual add and the MLP (Gemma 2 calls it pre_feedforward_layernorm).
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pre else None
-        self.mlp = GatedMLP(cfg, tp) if moe is None else SparseMoeMLP(cfg, tp, moe)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops) if pre else None
+        self.mlp = GatedMLP(cfg, tp, ops) if moe is None else SparseMoeMLP(cfg, tp, moe, ops)
         # Gemma 2 and 3, OLMo 2 and 3: norms of the attention's and the MLP's outputs (their
         # post_attention_ and post_feedforward_layernorm).
         post = variant.output_norms
-        self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
-        self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
+        self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops) if post else None
+        self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops) if post else None
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         """`residual` is the stream so far, `hidden` the previous layer's MLP output to add to it
@@ -148,16 +149,20 @@ def _add_and_norm(norm: RMSNorm | None, residual: torch.Tensor, hidden: torch.Te
 class LlamaForCausalLM(nn.Module):
     """`forward` returns final hidden states; `compute_logits` applies the LM head to chosen rows.
 
+    `ops` (layers/ops.py): the implementation of every op the layers call, chosen by the device backend
+    (devices/) and handed to each layer here; the torch reference by default.
+
     With a tensor-parallel shard, embeddings, norms and the LM head are replicated: after each
     layer's all-reduces every rank holds the same hidden states, and only the scheduler rank
     computes logits.
     """
 
-    def __init__(self, cfg, max_position: int, tp: TPShard = SINGLE):
+    def __init__(self, cfg, max_position: int, tp: TPShard = SINGLE, ops: LayerOps | None = None):
         super().__init__()
         check_supported(cfg)
         self.config = cfg
         self.tp = tp
+        self.ops = ops = ops or LayerOps()
         self.variant = FamilyVariant.of(cfg)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         by_type = rope_by_layer_type(cfg)  # Gemma 3: the sliding layers' frequencies apart
@@ -171,13 +176,14 @@ class LlamaForCausalLM(nn.Module):
         self.window_pool_layers = window_pool_layers(cfg, max_position)  # sliding layers with a pool of their own
         moe = MoeSpec.of(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.head_dim, tp, self.variant, self.attention_window if sliding[i] else None,
+            LlamaDecoderLayer(cfg, self.head_dim, tp, self.variant, ops, self.attention_window if sliding[i] else None,
                               local_rope=by_type and sliding[i], moe=moe if moe and moe.in_layer(cfg, i) else None)
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        # None with tied embeddings: the head is the embedding table (a device backend may give it one).
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Tied embeddings: the head reads the embedding table (the device's ops may keep a copy in their layout).
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ops,
+                              tied=self.embed_tokens if self.tie_word_embeddings else None)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -201,26 +207,22 @@ class LlamaForCausalLM(nn.Module):
         return self.run_layers(hidden, positions, kv_caches, meta)
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        """The decoder layers over the embedded tokens. A device backend may run them as one call of
-        its own where a step allows (devices/cpu/decoder_stack.py)."""
+        """The decoder layers over the embedded tokens: as one call where the ops have a whole-stack
+        implementation that takes this step (`ops.decoder_stack`: the same ops in the same order, e.g.
+        devices/cpu/decoder_stack.py), else layer by layer."""
+        if self.ops.decoder_stack is not None:
+            out = self.ops.decoder_stack.run(hidden, kv_caches, meta)
+            if out is not None:
+                return out
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
         return residual.add_(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self._head(self.norm(hidden))
+        logits = self.lm_head(self.norm(hidden))
         cap = self.variant.logits_softcap
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)  # monotonic: greedy ids stay
-
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return F.linear(hidden, self.embed_tokens.weight)
-
-    def head_weight(self) -> torch.Tensor:
-        """The LM head's [vocab, hidden] weight: its own, or the embedding table it is tied to."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def load_hf_state_dict(self, tensors) -> None:
         """Copy Hugging Face weights into the fused layout, keeping only this rank's shard.
@@ -273,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
             return torch.cat([heads.reshape(qk, *qkv.shape[1:]), qkv[qk:]])
         put("embed_tokens.weight", get("model.embed_tokens.weight"))
         put("norm.weight", get("model.norm.weight"))
-        if self.lm_head is not None:
+        if not self.tie_word_embeddings:
             put("lm_head.weight", get("lm_head.weight"))
         for i in range(self.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from tritonllm.layers.ops import LayerOps
 from tritonllm.models.llama import LlamaForCausalLM
 from tritonllm.parallel.shard import SINGLE, TPShard
 
@@ -57,11 +58,12 @@ def load_hf_config(folder: Path):
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_position: int,
-               tp: TPShard = SINGLE) -> LlamaForCausalLM:
-    """The plain PyTorch model of `folder` (this rank's shard of it), in `dtype` on `device`, ready to
-    run; a device backend may optimize it afterwards (devices/)."""
+               tp: TPShard = SINGLE, ops: LayerOps | None = None) -> LlamaForCausalLM:
+    """The model of `folder` (this rank's shard of it), in `dtype` on `device`, its layers calling `ops`
+    (layers/ops.py; the torch reference by default). A device backend's ops prepare their weights
+    afterwards (`DeviceBackend.prepare`)."""
     cfg = load_hf_config(folder)
-    model = LlamaForCausalLM(cfg, max_position, tp)
+    model = LlamaForCausalLM(cfg, max_position, tp, ops)
     tensors = SafetensorsIndex(folder)
     model.load_hf_state_dict(tensors)
     _refuse_unused_weights(tensors, tied_head=model.tie_word_embeddings)

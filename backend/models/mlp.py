@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tritonllm.layers.linear import Linear
+from tritonllm.layers.ops import LayerOps
+from tritonllm.models.families import activation_name
 from tritonllm.parallel.shard import TPShard
-from tritonllm.models.families import ACTIVATIONS, activation_name
 
 
 class GatedMLP(nn.Module):
@@ -17,22 +19,17 @@ class GatedMLP(nn.Module):
     adds every expert's part on this rank first, then reduces once).
     """
 
-    def __init__(self, cfg, tp: TPShard, intermediate_size: int | None = None, reduce: bool = True):
+    def __init__(self, cfg, tp: TPShard, ops: LayerOps, intermediate_size: int | None = None, reduce: bool = True):
         super().__init__()
         start, end = tp.split(intermediate_size or cfg.intermediate_size)
         self.intermediate_size = end - start
         self.tp = tp
         self.reduce = reduce
         self.activation = activation_name(cfg)
-        self.act = ACTIVATIONS[self.activation]
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, False, ops)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, False, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.activation))
         return self.tp.all_reduce(out) if self.reduce else out
-
-    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[tokens, 2 * intermediate] -> act(gate) * up, [tokens, intermediate]."""
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.act(gate) * up

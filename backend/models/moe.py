@@ -17,26 +17,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tritonllm.parallel.shard import TPShard
+from tritonllm.layers.linear import Linear
+from tritonllm.layers.ops import LayerOps
 from tritonllm.models.families import MoeSpec
 from tritonllm.models.mlp import GatedMLP
+from tritonllm.parallel.shard import TPShard
 
 
 class SparseMoeMLP(nn.Module):
-    # Every expert over every token, weighted by its routing weight (zero where the token did not choose
-    # it): more arithmetic, but no count of rows per expert has to reach the host, so an accelerator's
-    # step runs without waiting on it (and can be captured in a graph). Device backends turn it on.
-    dense_routing = False
+    """`dense_routing`: every expert over every token, weighted by its routing weight (zero where the token
+    did not choose it): more arithmetic, but no count of rows per expert has to reach the host, so an
+    accelerator's step runs without waiting on it (and can be captured in a graph). The model is built
+    with it where its ops ask for it (`LayerOps.dense_routing`)."""
 
-    def __init__(self, cfg, tp: TPShard, spec: MoeSpec):
+    def __init__(self, cfg, tp: TPShard, spec: MoeSpec, ops: LayerOps):
         super().__init__()
         self.spec = spec
         self.tp = tp
-        self.gate = nn.Linear(cfg.hidden_size, spec.num_experts, bias=False)  # the router, on every rank
-        self.experts = nn.ModuleList(GatedMLP(cfg, tp, spec.expert_size, reduce=False) for _ in range(spec.num_experts))
+        self.dense_routing = ops.dense_routing
+        self.gate = Linear(cfg.hidden_size, spec.num_experts, False, ops)  # the router, on every rank
+        self.experts = nn.ModuleList(GatedMLP(cfg, tp, ops, spec.expert_size, reduce=False)
+                                     for _ in range(spec.num_experts))
         shared = spec.shared_expert_size
-        self.shared_expert = GatedMLP(cfg, tp, shared, reduce=False) if shared else None
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
+        self.shared_expert = GatedMLP(cfg, tp, ops, shared, reduce=False) if shared else None
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, ops) if shared else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top_k experts ([tokens, top_k]) and their weights, from float32 probabilities."""

@@ -341,13 +341,3 @@ def start_server(triton_url: str, host: str, port: int, log_level: str = "warnin
     cmd = [sys.executable, "-m", "tritonllm.openai", "--triton-url", triton_url, "--host", host,
            "--port", str(port), "--log-level", log_level, "--exit-with-parent"]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-
-
-def stop_server(process: subprocess.Popen, timeout: float = 10) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)

@@ -2,11 +2,11 @@
 
 Two paths, picked per step by `head_path`:
 - "logits": the LM head's logits, then the sampler (runner/sampler.py) on the device: penalties and
-  bans, then argmax or sampling, with each chosen token's log-prob; a device backend may fuse the
-  plain-greedy argmax + log-prob into one op (`DeviceBackend.greedy_head`).
-- "screen": a plain-greedy step whose rows do not all want log-probs, on a backend that finds greedy
-  ids without the full logits (`DeviceBackend.greedy_ids`; the CPU's bfloat16 screen): those rows take
-  it, the rows that want a log-prob take the logits path. The ids are the same either way.
+  bans, then argmax or sampling, with each chosen token's log-prob; the device's greedy head may fuse
+  the plain-greedy argmax + log-prob into one op (`GreedyHead.argmax_logprob`, devices/backend.py).
+- "ids": a plain-greedy step whose rows do not all want log-probs, where the device's greedy head finds
+  greedy ids without the full logits (`GreedyHead.ids_without_logits`): those rows take it, the rows
+  that want a log-prob take the logits path. The ids are the same either way.
 Only `[batch]` ids and log-probs leave the device.
 """
 
@@ -17,33 +17,33 @@ from functools import partial
 
 import torch
 
-from tritonllm.devices.backend import DeviceBackend
+from tritonllm.devices.backend import GreedyHead
 from tritonllm.runner.sampler import choose_tokens, ranking_logprobs, top_logprobs, unpack_tokens
 from tritonllm.runner.sampling_batch import SamplingBatch
 
 TopLogprobs = list[tuple[int, float, int]]  # (token id, log-prob, rank), the chosen token first
 
 
-def head_path(sampling: SamplingBatch, wants_logprob: list[bool], backend: DeviceBackend) -> str:
-    """"screen" where the backend's greedy ids serve the step, else "logits"."""
+def head_path(sampling: SamplingBatch, wants_logprob: list[bool], head: GreedyHead) -> str:
+    """"ids" where the device's greedy ids without logits serve the step, else "logits"."""
     if (sampling.plain_greedy and sampling.ranked_rows is None and not all(wants_logprob)
-            and backend.screens_greedy(len(wants_logprob))):
-        return "screen"
+            and head.finds_ids_without_logits(len(wants_logprob))):
+        return "ids"
     return "logits"
 
 
-def choose_step_tokens(model, backend: DeviceBackend, hidden: torch.Tensor, sampling: SamplingBatch,
+def choose_step_tokens(model, head: GreedyHead, hidden: torch.Tensor, sampling: SamplingBatch,
                        wants_logprob: list[bool]) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
     """Per sampled row (`hidden` [rows, hidden_size]): its token id, log-prob (NaN if not asked) and top
     log-probs (None if not asked)."""
     top: list[TopLogprobs | None] = [None] * len(wants_logprob)
-    if head_path(sampling, wants_logprob, backend) == "screen":
-        return (*_screened(model, backend, hidden, wants_logprob), top)
+    if head_path(sampling, wants_logprob, head) == "ids":
+        return (*_ids_without_logits(model, head, hidden, wants_logprob), top)
     logits = model.compute_logits(hidden)
     # A step with a row that wants its top log-probs keeps them before the choice changes the logits.
     ranking = ranking_logprobs(logits, sampling) if sampling.ranked_rows is not None else None
     # Where no row asks for its log-prob, the fused head skips computing them (an exp per logit).
-    packed = choose_tokens(logits, sampling, partial(backend.greedy_head, logprobs=any(wants_logprob)))
+    packed = choose_tokens(logits, sampling, partial(head.argmax_logprob, logprobs=any(wants_logprob)))
     ids, logprobs = unpack_tokens(packed.cpu().numpy())  # the step's one device -> host transfer
     if not all(wants_logprob):  # NaN for who did not ask, on every path
         logprobs = [lp if wants else math.nan for lp, wants in zip(logprobs, wants_logprob)]
@@ -56,18 +56,18 @@ def choose_step_tokens(model, backend: DeviceBackend, hidden: torch.Tensor, samp
     return ids, logprobs, top
 
 
-def _screened(model, backend: DeviceBackend, hidden: torch.Tensor,
-              wants_logprob: list[bool]) -> tuple[list[int], list[float]]:
-    """The rows that want no log-prob through the backend's greedy ids, the others through the logits."""
+def _ids_without_logits(model, head: GreedyHead, hidden: torch.Tensor,
+                        wants_logprob: list[bool]) -> tuple[list[int], list[float]]:
+    """The rows that want no log-prob through the head's greedy ids, the others through the logits."""
     screened = [i for i, wants in enumerate(wants_logprob) if not wants]
     asking = [i for i, wants in enumerate(wants_logprob) if wants]
     ids, logprobs = [0] * len(wants_logprob), [math.nan] * len(wants_logprob)
-    got = backend.greedy_ids(model, hidden if not asking else hidden[screened])
+    got = head.ids_without_logits(model, hidden if not asking else hidden[screened])
     for i, token in zip(screened, got.tolist()):
         ids[i] = token
     if asking:
         logits = model.compute_logits(hidden[asking])
-        asked_ids, asked_logprobs = unpack_tokens(choose_tokens(logits, SamplingBatch(), backend.greedy_head).cpu().numpy())
+        asked_ids, asked_logprobs = unpack_tokens(choose_tokens(logits, SamplingBatch(), head.argmax_logprob).cpu().numpy())
         for i, token, logprob in zip(asking, asked_ids, asked_logprobs):
             ids[i], logprobs[i] = token, logprob
     return ids, logprobs

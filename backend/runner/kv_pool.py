@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tritonllm.devices import platform
-from tritonllm.engine.config import EngineConfig
+from tritonllm.core.config import EngineConfig
 from tritonllm.layers.kv_layout import HEAD_MAJOR, pool_shape
 from tritonllm.scheduling.window_pool import window_pool_blocks_per_sequence
 

@@ -11,25 +11,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tritonllm.layers.attention_metadata import AttentionGroup, AttentionMetadata, SequenceBatch
+from tritonllm.layers.attention_metadata import AttentionMetadata, SequenceBatch
 from tritonllm.layers.kv_layout import HEAD_MAJOR, copy_slots
 from tritonllm.scheduling.block_manager import KVCopy
 from tritonllm.scheduling.scheduler import ScheduledSeq
 
-
-
-@dataclass
-class HostGroup:
-    """Sequences attended together (see AttentionGroup), as host arrays."""
-
-    block_tables: np.ndarray  # [batch, max_blocks] int64
-    mask: np.ndarray  # [batch, 1, max_q, max_blocks * block_size] bool
-    query_index: np.ndarray | None
-    output_index: np.ndarray | None
-    token_offset: int
-    num_tokens: int
-    window_mask: np.ndarray | None = None  # as mask, limited to each query's last `window` positions
-    window_block_tables: np.ndarray | None = None  # the sliding layers' own pool's tables (scheduling/window_pool.py)
 
 
 @dataclass
@@ -49,8 +35,6 @@ class HostStep:
     positions: np.ndarray  # [num_tokens] int64
     slot_mapping: np.ndarray  # [num_tokens] int64
     window_slot_mapping: np.ndarray | None  # the same tokens' slots in the sliding layers' own pool, if any
-    decode: list[HostGroup]  # the step's sequences as groups with masks too, where the backend reads those
-    prefill: HostGroup | None
     seqs: HostSeqs  # the step's sequences as lengths and block tables
     logits_rows: np.ndarray  # flat token rows whose next token is chosen this step
     # Prefix K/V copied slot to slot (block * block_size + offset) before the forward; empty: none.
@@ -70,16 +54,15 @@ class DeviceStep:
     window_kv_copy: tuple[torch.Tensor, torch.Tensor] | None  # ... in the sliding layers' own pool
 
 
-def build_host_step(scheduled: list[ScheduledSeq], block_size: int, window: int | None = None,
-                    window_pool: bool = False, with_groups: bool = False) -> tuple[HostStep, list[ScheduledSeq]]:
+def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
+                    window_pool: bool = False) -> tuple[HostStep, list[ScheduledSeq]]:
     """The step's flat inputs, and the sequences that choose a token (in logits-row order; a sequence
     with a speculative draft once per row of it).
 
-    The sequences reach attention as lengths and block tables (`seqs`); `with_groups` adds them as
-    groups with masks too, the form our CPU kernels read (the decodes one group, the prompt chunks
-    another). `window`: the model has sliding-window layers, which attend to each query's last
-    `window` positions only; each group then also carries that mask. `window_pool`: their K/V live in
-    a pool of their own (scheduling/window_pool.py), with the sequences' `window_block_table`s.
+    The sequences reach attention as lengths and block tables (`seqs`), from which each attention
+    implementation derives what its queries see (a sliding layer applies its window itself).
+    `window_pool`: the sliding layers' K/V live in a pool of their own (scheduling/window_pool.py),
+    with the sequences' `window_block_table`s.
     """
     bs = block_size
     decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
@@ -112,8 +95,6 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int, window: int 
         positions=np.concatenate(positions).astype(np.int64),
         slot_mapping=np.concatenate(slots).astype(np.int64),
         window_slot_mapping=np.concatenate(window_slots).astype(np.int64) if window_pool else None,
-        decode=[_group(decodes, 0, bs, window, window_pool)] if decodes and with_groups else [],
-        prefill=_group(prefills, len(decodes), bs, window, window_pool) if prefills and with_groups else None,
         seqs=_sequences(decodes + prefills, len(decodes), bs, window_pool),
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
         **_kv_copy_slots([c for s in scheduled for c in s.kv_copies], bs),
@@ -150,55 +131,9 @@ def _kv_copy_slots(copies: list[KVCopy], bs: int) -> dict[str, np.ndarray]:
     return slots
 
 
-def _group(items: list[ScheduledSeq], token_offset: int, bs: int, window: int | None = None,
-           window_pool: bool = False) -> HostGroup:
-    batch = len(items)
-    q_lens = [it.num_new_tokens for it in items]
-    starts = [it.seq.num_computed_tokens for it in items]
-    max_blocks = max(-(-(s + n) // bs) for s, n in zip(starts, q_lens))
-    tables = np.zeros((batch, max_blocks), dtype=np.int64)
-    valid = np.zeros((batch, max_blocks), dtype=bool)
-    window_tables = np.zeros((batch, max_blocks), dtype=np.int64) if window_pool else None
-    for i, it in enumerate(items):
-        row = np.asarray(it.seq.block_table[:max_blocks])
-        tables[i, :len(row)] = np.maximum(row, 0)
-        valid[i, :len(row)] = row >= 0
-        if window_pool:  # its -1 slots are behind every query's window: the window mask hides them
-            row = np.asarray(it.seq.window_block_table[:max_blocks])
-            window_tables[i, :len(row)] = np.maximum(row, 0)
-    width = max_blocks * bs
-    key_pos = np.arange(width)
-    key_ok = np.repeat(valid, bs, axis=1)  # [batch, width]: block still holds its K/V
-    max_q = max(q_lens)
-    q_pos = np.asarray(starts)[:, None] + np.arange(max_q)[None, :]  # [batch, max_q]
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]
-    # A sliding layer's query at position p sees keys p - window < k <= p (transformers' sliding mask).
-    window_mask = mask & (key_pos[None, None, :] > q_pos[:, :, None] - window) if window else None
-    query_index = output_index = None
-    if batch > 1 and max_q > 1:
-        offsets = token_offset + np.concatenate([[0], np.cumsum(q_lens)[:-1]])
-        j = np.arange(max_q)[None, :]
-        real = j < np.asarray(q_lens)[:, None]
-        query_index = (offsets[:, None] + np.minimum(j, np.asarray(q_lens)[:, None] - 1)).astype(np.int64)
-        for m in (mask, window_mask) if window else (mask,):
-            m[~real] = False
-            m[~real, 0] = True  # padding rows attend somewhere: no NaN from an empty softmax
-        output_index = np.flatnonzero(real.reshape(-1)).astype(np.int64)
-    return HostGroup(tables, mask[:, None, :, :], query_index, output_index, token_offset, sum(q_lens),
-                     None if window_mask is None else window_mask[:, None, :, :], window_tables)
-
-
 def to_device(host: HostStep, device: torch.device) -> DeviceStep:
     def to(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
-
-    def group(g: HostGroup, sliding: bool = False) -> AttentionGroup:
-        tables = g.window_block_tables if sliding and g.window_block_tables is not None else g.block_tables
-        return AttentionGroup(
-            block_tables=to(tables), mask=to(g.window_mask if sliding else g.mask),
-            query_index=None if g.query_index is None else to(g.query_index),
-            output_index=None if g.output_index is None else to(g.output_index),
-            token_offset=g.token_offset, num_tokens=g.num_tokens)
 
     def sequences(s: HostSeqs, sliding: bool = False) -> SequenceBatch:
         tables = s.window_block_table if sliding and s.window_block_table is not None else s.block_table
@@ -208,17 +143,13 @@ def to_device(host: HostStep, device: torch.device) -> DeviceStep:
     def metadata(sliding: bool = False) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=window_slot_mapping if sliding and window_slot_mapping is not None else slot_mapping,
-            decode=[group(g, sliding) for g in host.decode],
-            prefill=group(host.prefill, sliding) if host.prefill is not None else None,
             seqs=sequences(host.seqs, sliding),
         )
 
     slot_mapping = to(host.slot_mapping)
     window_slot_mapping = None if host.window_slot_mapping is None else to(host.window_slot_mapping)
     meta = metadata()
-    groups = host.decode + ([host.prefill] if host.prefill is not None else [])
-    if (groups and groups[0].window_mask is not None) or window_slot_mapping is not None:
-        # The sliding layers' own groups with window masks, and (with a window pool) its slots and tables.
+    if window_slot_mapping is not None:  # the sliding layers' own pool: its slots and tables
         meta.sliding = metadata(sliding=True)
     kv_copy = (to(host.kv_copy_src), to(host.kv_copy_dst)) if len(host.kv_copy_src) else None
     window_kv_copy = (to(host.window_kv_copy_src), to(host.window_kv_copy_dst)) if len(host.window_kv_copy_src) else None

@@ -7,8 +7,8 @@ import logging
 import time
 
 from tritonllm.devices import platform
-from tritonllm.engine.sampling_params import SamplingParams
-from tritonllm.engine.sequence import Sequence
+from tritonllm.core.sampling_params import SamplingParams
+from tritonllm.core.sequence import Sequence
 from tritonllm.runner.model_runner import ModelRunner
 from tritonllm.scheduling.scheduler import ScheduledSeq
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tritonllm.engine.sequence import Sequence
+from tritonllm.core.sequence import Sequence
 
 
 # The Sequence attributes holding a sequence's block table in the main pool and in the window pool.

@@ -19,7 +19,7 @@ draft it would have made, which costs a lookup and no row.
 
 from __future__ import annotations
 
-from tritonllm.engine.sequence import Sequence
+from tritonllm.core.sequence import Sequence
 
 NGRAM_SIZES = (3, 2)  # longest first: a longer match predicts better, a shorter one matches more often
 

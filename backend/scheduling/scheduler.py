@@ -16,11 +16,11 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from tritonllm.engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tritonllm.core.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tritonllm.core.sequence import FinishReason, Sequence, SequenceStatus
 from tritonllm.scheduling.block_manager import BlockManager, KVCopy
 from tritonllm.scheduling.ngram_draft import DraftAcceptance, draft_for
 from tritonllm.scheduling.window_pool import WindowPoolBlockManager
-from tritonllm.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass

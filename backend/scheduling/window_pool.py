@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tritonllm.core.sequence import Sequence
 from tritonllm.scheduling.block_manager import WINDOW_TABLE, BlockManager, KVCopy, PrefixMatch, extend_block_hashes
-from tritonllm.engine.sequence import Sequence
 
 
 @dataclass

@@ -30,15 +30,15 @@ try:
 except ImportError:  # outside tritonserver (docs, tests of the parsing): the module only exists in the stub
     pb_utils = None
 
-from tritonllm.engine.parameters import ConfigError
-from tritonllm.serving.instance_config import config_from_triton
+from tritonllm.core.parameters import ConfigError
+from tritonllm.core.sampling_params import InvalidRequestError
 from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
 from tritonllm.embeddings.engine import EmbeddingEngine
 from tritonllm.embeddings.request import EmbeddingOutput
 from tritonllm.serving import orphan_guard
+from tritonllm.serving.instance_config import config_from_triton
 from tritonllm.serving.model_io import EMBEDDING_INPUTS, complete_config, embedding_outputs, missing_inputs_error
 from tritonllm.serving.request_parsing import MAX_TEXT_BYTES, _bool, _scalar, _text
-from tritonllm.engine.sampling_params import InvalidRequestError
 
 logger = logging.getLogger("tritonllm")
 

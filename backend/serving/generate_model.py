@@ -25,19 +25,19 @@ try:
 except ImportError:  # outside tritonserver (docs, linters): the module only exists in the stub
     pb_utils = None
 
-from tritonllm.engine.config import EngineConfig
-from tritonllm.engine.parameters import ConfigError
-from tritonllm.serving.instance_config import config_from_triton
+from tritonllm.core.config import EngineConfig
+from tritonllm.core.outputs import RequestOutput
+from tritonllm.core.parameters import ConfigError
+from tritonllm.core.sampling_params import InvalidRequestError
 from tritonllm.engine.engine import Engine, QueueFullError
 from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
-from tritonllm.engine.outputs import RequestOutput
-from tritonllm.serving.metrics import EngineMetrics
 from tritonllm.serving import engine_health, orphan_guard
+from tritonllm.serving.instance_config import config_from_triton
+from tritonllm.serving.metrics import EngineMetrics
 from tritonllm.serving.model_io import GENERATE_INPUTS, GENERATE_OUTPUTS, complete_config, missing_inputs_error
 from tritonllm.serving.request_parsing import parse_request
 from tritonllm.serving.response_assembly import ResponseAssembler
 from tritonllm.serving.response_lanes import ResponseLanes
-from tritonllm.engine.sampling_params import InvalidRequestError
 
 logger = logging.getLogger("tritonllm")
 

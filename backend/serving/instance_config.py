@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tritonllm.engine.parameters import ConfigError
+from tritonllm.core.parameters import ConfigError
 
 
 def config_from_triton(config_class, args: dict, model_config: dict):

@@ -77,9 +77,6 @@ def embedding_outputs(dim: int = -1) -> tuple[TensorSpec, ...]:
     return (TensorSpec("embedding", "TYPE_FP32", (-1, dim)),)
 
 
-EMBEDDING_OUTPUTS = embedding_outputs()
-
-
 def complete_config(auto_complete_model_config, inputs, outputs, decoupled: bool | None = None):
     """Add to Triton's model config what config.pbtxt leaves out; return it (what auto_complete_config returns).
 

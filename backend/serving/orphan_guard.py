@@ -35,7 +35,7 @@ _pipe_ends: list[int] = []  # write ends held open for the life of this process 
 
 def start(grace_s: float = GRACE_S) -> subprocess.Popen | None:
     """Start a guard for this process (a stub) and its parent (tritonserver). None where impossible."""
-    from tritonllm.parallel.workers import python_executable
+    from tritonllm.runner.tp_workers import python_executable
 
     read_fd, write_fd = os.pipe()  # both ends close-on-exec: no other child inherits the write end
     try:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tritonllm.engine.outputs import RequestOutput
+from tritonllm.core.outputs import RequestOutput
 from tritonllm.serving.request_parsing import ParsedRequest
 
 

@@ -3,12 +3,13 @@
 At a few rows a layer's ops take microseconds each, and calling them from Python costs more than
 that (argument parsing, dispatch, output allocation, module calls), with the OpenMP workers waiting
 between them. The C++ call runs the same ops, on the same tensors and in the same order as
-`LlamaDecoderLayer.forward` with the fused layers (fused_layers.py), so its results are bit for bit
+`LlamaDecoderLayer.forward` with the CPU's ops (ops.py), so its results are bit for bit
 those of the modules. It needs:
 - float32 on CPU with our kernels, and every linear packed for `cpu_gemm=avx512`;
 - one rank (tensor parallelism all-reduces between the ops);
-- no sliding-window masks in the step (a window shorter than max_model_len), and one rotary
-  embedding for every layer (not the sliding layers' own of Gemma 3 and OLMo 3);
+- one window for every layer, in one pool (all attend to the whole context, or all slide with the
+  same window: not sliding layers beside full ones), and one rotary embedding for every layer (not
+  the sliding layers' own of Gemma 3 and OLMo 3);
 - SiLU as the MLP's activation (not Gemma's GELU), no soft-capped scores (Gemma 2), and a dense MLP
   in every layer (no experts). Query and key norms per head (Qwen3) or over the projections (OLMo), and
   OLMo's layer (norms after the attention and the MLP instead of before) run in the stack too.
@@ -18,17 +19,23 @@ from __future__ import annotations
 
 import torch
 
-from tritonllm.devices.cpu.fused_layers import kernel_calls
-from tritonllm.devices.cpu.packed_linear import PackedLinear, PackedWeight
+from tritonllm.devices.cpu.attention_rows import attention_rows
+from tritonllm.devices.cpu.packed_linear import PackedWeight
 from tritonllm.layers.attention_metadata import AttentionMetadata
 from tritonllm.models.mlp import GatedMLP
 
 
 class DecoderStack:
-    """Built from a LlamaForCausalLM whose linears are packed and layers fused; `None` from `build` if
-    it cannot apply."""
+    """Built from a LlamaForCausalLM built with the CPU's ops, its linears packed, where `refusal(model)`
+    finds nothing against it; the model's layer loop calls `run` (`LayerOps.decoder_stack`)."""
 
-    def __init__(self, layers, eps: float, num_heads: int, num_kv_heads: int, scale: float):
+    def __init__(self, model):
+        layers = list(model.layers)
+        attn = layers[0].self_attn
+        norms = [layers[0].input_layernorm, layers[0].post_attention_layernorm, attn.q_norm, attn.k_norm,
+                 layers[0].attn_output_norm, layers[0].mlp_output_norm]
+        eps = next(norm.eps for norm in norms if norm is not None)
+        num_heads, num_kv_heads, scale = attn.num_heads, attn.num_kv_heads, attn.attn.scale
         self.norms = [w for layer in layers if layer.input_layernorm is not None
                       for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
         self.qk_norms = [w for layer in layers if layer.self_attn.q_norm is not None
@@ -47,63 +54,64 @@ class DecoderStack:
         self.blocks = ([p.blocks[0] if p.blocks is not None else p.data for p in packed],
                        [p.blocks[1] if p.blocks is not None else None for p in packed])
         self.eps, self.num_heads, self.num_kv_heads, self.scale = eps, num_heads, num_kv_heads, scale
+        self.windows = {layer.self_attn.attn.window for layer in layers}  # None: a layer over the whole context
         self._kv_caches = None  # the runner's pool, split once into K and V lists
         self._k_caches: list[torch.Tensor] = []
         self._v_caches: list[torch.Tensor] = []
 
-    @classmethod
-    def build(cls, model) -> "DecoderStack | None":
+    @staticmethod
+    def refusal(model) -> str | None:
+        """Why the stack cannot run this model's layers (None: it can)."""
         layers = list(model.layers)
         if model.tp.world_size != 1 or not layers:
-            return None
+            return "tensor parallelism" if layers else "no layers"
         if not all(isinstance(layer.mlp, GatedMLP) for layer in layers):  # a mixture of experts: the modules run
-            return None
+            return "a mixture of experts"
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if not isinstance(lin, PackedLinear) or lin.packed.kernel != "avx512":
-                    return None
+                if lin.packed is None or lin.packed.kernel != "avx512":
+                    return "linears not packed for cpu_gemm=avx512"
         first = layers[0]
         if first.mlp.activation != "silu":  # nor an activation other than SiLU (Gemma's GELU)
-            return None
+            return f"activation {first.mlp.activation}"
         if first.self_attn.attn.softcap is not None:  # nor Gemma 2's capped scores
-            return None
+            return "soft-capped attention"
         if any(layer.self_attn.local_rope for layer in layers):  # one rotary for every layer (not Gemma 3's, OLMo 3's)
-            return None
+            return "sliding layers with a rotary of their own"
         attn = first.self_attn
         norms = [first.input_layernorm, first.post_attention_layernorm, attn.q_norm, attn.k_norm,
                  first.attn_output_norm, first.mlp_output_norm]
-        eps = {norm.eps for norm in norms if norm is not None}
-        if len(eps) != 1:  # the C++ layer takes one eps for all its norms
-            return None
-        return cls(layers, eps.pop(), attn.num_heads, attn.num_kv_heads, attn.attn.scale)
+        if len({norm.eps for norm in norms if norm is not None}) != 1:  # the C++ layer takes one eps for all its norms
+            return "norms with different eps"
+        return None
 
-    def wrap(self, run_layers):
-        """`run_layers` (the model's layer loop) that takes the stack for the steps it applies to."""
-        def run(hidden: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-            attention = self.applies(hidden, meta)
-            if attention is None:
-                return run_layers(hidden, positions, kv_caches, meta)
-            return self(hidden, kv_caches, meta, attention)
-        run.stack = self
-        return run
-
-    def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> list | None:
-        """The step's attention kernel calls if it can take the stack, else None."""
-        if meta.sliding is not None:  # the C++ layers take one set of masks for all of them
+    def run(self, hidden: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The final residual stream of the step's embeddings `hidden`, or None for a step it does not take."""
+        attention = self.applies(hidden, meta)
+        if attention is None:
             return None
-        return kernel_calls(meta, hidden.shape[0])
+        return self(hidden, kv_caches, meta, attention)
+
+    def applies(self, hidden: torch.Tensor, meta: AttentionMetadata) -> tuple | None:
+        """The step's attention rows (attention_rows.py) if it can take the stack, else None."""
+        # The C++ layers take one block table and one set of rows for all of them: not sliding layers
+        # beside full ones, nor a window pool of their own (meta.sliding). Where every layer slides with
+        # one window, the rows carry it.
+        if meta.sliding is not None or len(self.windows) != 1:
+            return None
+        return attention_rows(meta.seqs, next(iter(self.windows)))
 
     def __call__(self, hidden: torch.Tensor, kv_caches, meta: AttentionMetadata,
-                 attention: list) -> torch.Tensor:
+                 attention: tuple) -> torch.Tensor:
         """hidden: the step's embeddings (becomes the residual stream) -> the final residual stream."""
         if self._kv_caches is not kv_caches:
             self._kv_caches = kv_caches
             self._k_caches, self._v_caches = [k for k, _ in kv_caches], [v for _, v in kv_caches]
         weights, scales = self.blocks if hidden.shape[0] <= self.blocks_max_rows else self.panels
-        starts, ends, tables, masks = zip(*attention)
+        row_seq, row_end, row_start = attention
         cos, sin = meta.rope
         return torch.ops.tritonllm.decoder_stack(
             hidden, self.norms, weights, scales, self.biases, self.out_features, self._k_caches, self._v_caches,
-            cos, sin, meta.slot_mapping, list(starts), list(ends), list(tables), list(masks),
+            cos, sin, meta.slot_mapping, meta.seqs.block_table, row_seq, row_end, row_start,
             self.qk_norms, self.whole_projection_norms, self.output_norms, self.scale, self.eps, self.num_heads, self.num_kv_heads)

@@ -133,10 +133,20 @@ def error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [batch, heads, d]; caches [kv_heads, blocks, block_size, d]; mask [batch, width] -> [batch, heads, d]."""
-    return torch.ops.tritonllm.paged_decode_attention(q, k_cache, v_cache, block_tables, mask, scale)
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                           row_seq: torch.Tensor, row_end: torch.Tensor, row_start: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Each query row's attention over the keys it sees, read in place from the pool.
+
+    q [rows, heads, d] float32, one row per query token (decodes and prompt tokens alike); caches
+    [kv_heads, blocks, block_size, d] (float32, float16 or bfloat16); `block_table` [num_seqs,
+    max_blocks] int32: the step's `SequenceBatch.block_table` as is (-1: a block given back, skipped);
+    per row, each [rows] int32 (attention_rows.py): `row_seq`, the sequence whose table it reads;
+    `row_end`, its position + 1 (it sees keys at positions < row_end); `row_start`, 0 or, in a sliding
+    layer, its position + 1 - window clamped at 0 (it sees keys at positions >= row_start).
+    -> [rows, heads, d] float32."""
+    return torch.ops.tritonllm.paged_decode_attention(q, k_cache, v_cache, block_table, row_seq, row_end, row_start,
+                                                      scale)
 
 
 def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""The CUDA backend: FlashInfer's paged attention and decode graphs, applied to the plain model at load.
+"""The CUDA backend: the model built with the CUDA ops (ops.py), and decode graphs.
 
-What `optimize` does, each part where it can run (otherwise that part stays the torch reference, with
-the reason logged):
-- attention through FlashInfer (flashinfer_attention.py) on token-major pools, the step's sequences
-  as lengths and block tables: no masks are built, nothing is gathered;
-- mixtures of experts routed without a host sync (`SparseMoeMLP.dense_routing`);
+What it chooses, each part where it can run (otherwise the torch reference, with the reason in the
+plan the server logs):
+- attention through FlashInfer on token-major pools, the step's sequences as lengths and block tables:
+  no masks are built, nothing is gathered; planned once per step before the forward;
+- mixtures of experts routed without a host sync;
 - after the pools exist (`capture`), CUDA graphs of pure-decode steps per batch bucket (graphs.py).
 The step's only device-to-host transfer is then the sampled ids and log-probs.
 """
@@ -17,13 +17,10 @@ import logging
 import torch
 from torch import nn
 
-from tritonllm.devices.backend import DeviceBackend
-from tritonllm.devices.platform import resolve_kv_cache_dtype
-from tritonllm.engine.config import EngineConfig
-from tritonllm.layers.attention import PagedAttention
+from tritonllm.core.config import CudaOptions
+from tritonllm.devices.backend import Capabilities, DeviceBackend, Runtime
+from tritonllm.devices.cuda.ops import CudaOps
 from tritonllm.layers.attention_metadata import AttentionMetadata
-from tritonllm.layers.kv_layout import TOKEN_MAJOR
-from tritonllm.models.moe import SparseMoeMLP
 
 logger = logging.getLogger(__name__)
 
@@ -34,62 +31,58 @@ def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
+def choose_attention(requested: str, dtype: torch.dtype) -> tuple[str, str]:
+    """`cuda_attention=requested` for a model in `dtype`: ("flashinfer" or "torch", why where torch)."""
+    if requested == "torch":
+        return "torch", "cuda_attention=torch"
+    if dtype not in FLASHINFER_DTYPES:
+        # FlashInfer's kernels take half-precision queries only: float32 runs the reference.
+        if requested == "flashinfer":
+            raise ValueError(f"cuda_attention=flashinfer needs dtype float16 or bfloat16, not {dtype}")
+        return "torch", f"FlashInfer takes float16 and bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if flashinfer_available():
+        return "flashinfer", ""
+    if requested == "flashinfer":
+        raise RuntimeError("cuda_attention=flashinfer, but flashinfer is not installed: pip install .[cuda]")
+    logger.warning("flashinfer is not installed (pip install .[cuda]): the torch reference attention runs")
+    return "torch", "flashinfer is not installed"
+
+
 class CudaBackend(DeviceBackend):
     name = "cuda"
 
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype):
-        self.options = config.cuda
-        self.device, self.dtype = device, dtype
-        self.kv_dtype = resolve_kv_cache_dtype(config.cache.dtype, dtype)
-        self.block_size = config.cache.block_size
-        self.max_num_seqs = config.scheduler.max_num_seqs
-        self.max_model_len = config.model.max_model_len
-        self.num_ranks = config.parallel.tensor_parallel_size
-        self.attention = "torch"
-        if self.options.attention != "torch":
-            if dtype not in FLASHINFER_DTYPES:
-                # FlashInfer's kernels take half-precision queries only: float32 runs the reference.
-                if self.options.attention == "flashinfer":
-                    raise ValueError(f"cuda_attention=flashinfer needs dtype float16 or bfloat16, not {dtype}")
-                logger.info("dtype %s: the torch reference attention runs (FlashInfer takes float16 and "
-                            "bfloat16)", dtype)
-            elif flashinfer_available():
-                self.attention = "flashinfer"
-            elif self.options.attention == "flashinfer":
-                raise RuntimeError("cuda_attention=flashinfer, but flashinfer is not installed: pip install .[cuda]")
-            else:
-                logger.warning("flashinfer is not installed (pip install .[cuda]): the torch reference attention runs")
-        self.plans = None
+    def __init__(self, options: CudaOptions, runtime: Runtime):
+        super().__init__(options, runtime)
+        self.ops = CudaOps(*choose_attention(options.attention, runtime.dtype))
         self.graphs = None
+        self.graphs_off = "" if options.graphs else "cuda_graphs=false"
 
-    def optimize(self, model: nn.Module) -> nn.Module:
-        for module in model.modules():
-            if isinstance(module, SparseMoeMLP):
-                module.dense_routing = True
-        if self.attention == "flashinfer":
-            from tritonllm.devices.cuda.flashinfer_attention import FlashInferAttention, FlashInferPlans
+    @property
+    def capabilities(self) -> Capabilities:
+        # FlashInfer reads each sequence's table whole, pruned blocks included.
+        return Capabilities(kv_layout=self.ops.kv_layout, skips_pruned_blocks=not self.ops.flashinfer)
 
-            for module in model.modules():
-                if type(module) is PagedAttention:
-                    module.__class__ = FlashInferAttention
-            self.plans = FlashInferPlans(model, self.device, self.dtype, self.kv_dtype, self.block_size)
-            for module in model.modules():
-                if isinstance(module, FlashInferAttention):
-                    module.plans = self.plans
-            self.kv_layout, self.skips_pruned_blocks = TOKEN_MAJOR, False
-        return model
+    def prepare(self, model: nn.Module) -> None:
+        if self.ops.flashinfer:
+            from tritonllm.devices.cuda.flashinfer_attention import FlashInferPlans
+
+            rt = self.runtime
+            self.ops.plans = FlashInferPlans(model, rt.device, rt.dtype, rt.kv_dtype, rt.block_size)
 
     def capture(self, model: nn.Module, kv_caches, num_window_blocks: int) -> None:
-        if not (self.options.graphs and self.plans is not None):
+        if not self.options.graphs or self.ops.plans is None:
+            self.graphs_off = self.graphs_off or "no FlashInfer attention"
             return
-        if self.num_ranks > 1 or num_window_blocks:
-            logger.info("decode graphs: off (%s)", "tensor parallelism" if self.num_ranks > 1 else "a window pool")
+        if self.runtime.tensor_parallel_size > 1 or num_window_blocks:
+            self.graphs_off = "tensor parallelism" if self.runtime.tensor_parallel_size > 1 else "a window pool"
+            logger.info("decode graphs: off (%s)", self.graphs_off)
             return
         from tritonllm.devices.cuda.graphs import DecodeGraphs
 
-        max_batch = min(self.options.graph_max_batch or self.max_num_seqs, self.max_num_seqs)
-        max_blocks = -(-self.max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(model, self.plans, max_batch, max_blocks)
+        rt = self.runtime
+        max_batch = min(self.options.graph_max_batch or rt.max_num_seqs, rt.max_num_seqs)
+        max_blocks = -(-rt.max_model_len // rt.block_size)
+        self.graphs = DecodeGraphs(model, self.ops.plans, max_batch, max_blocks)
         self.graphs.capture(kv_caches)
 
     def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
@@ -98,11 +91,12 @@ class CudaBackend(DeviceBackend):
             hidden = self.graphs.run(input_ids, positions, meta)
             if hidden is not None:
                 return hidden
-        if self.plans is not None:
-            self.plans.plan(meta)
+        if self.ops.plans is not None:
+            self.ops.plans.plan(meta)
         return model(input_ids, positions, kv_caches, meta)
 
-    def describe(self) -> str:
-        attention = "FlashInfer paged attention" if self.attention == "flashinfer" else "torch reference attention"
-        graphs = "decode graphs" if self.options.graphs and self.attention == "flashinfer" else "no decode graphs"
-        return f"cuda: {attention}, {graphs}"
+    def plan(self) -> dict[str, str]:
+        plan = super().plan()
+        plan["decoder_stack"] = ("decode graphs" if self.graphs is not None
+                                 else f"off, layer by layer ({self.graphs_off or 'graphs captured once the pools exist'})")
+        return plan

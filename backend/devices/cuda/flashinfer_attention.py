@@ -17,8 +17,6 @@ from torch import nn
 
 from tritonllm.layers.attention import PagedAttention
 from tritonllm.layers.attention_metadata import AttentionMetadata, SequenceBatch
-from tritonllm.layers.kv_layout import TOKEN_MAJOR, write_kv
-from tritonllm.layers.rotary import apply_rotary
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace, shared by the wrappers (they run one at a time)
 
@@ -59,7 +57,7 @@ class FlashInferPlans:
 
         self.device, self.dtype, self.kv_dtype, self.block_size = device, dtype, kv_dtype, block_size
         self.workspace = workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        kinds = {LayerKind.of(m) for m in model.modules() if isinstance(m, FlashInferAttention)}
+        kinds = {LayerKind.of(m) for m in model.modules() if isinstance(m, PagedAttention)}
         self.wrappers = {kind: flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD") for kind in kinds}
         self.active: dict | None = None  # while a decode graph is captured: its wrappers (graphs.py)
 
@@ -74,18 +72,3 @@ class FlashInferPlans:
                          window_left=-1 if kind.window is None else kind.window - 1,
                          logits_soft_cap=kind.softcap, sm_scale=kind.scale, q_data_type=self.dtype,
                          kv_data_type=self.kv_dtype)
-
-
-class FlashInferAttention(PagedAttention):
-    """`PagedAttention` on FlashInfer, reading the wrapper planned for its kind (`plans`, set when the CUDA
-    backend turns a layer into one)."""
-
-    plans: FlashInferPlans
-
-    def forward(self, qkv, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
-        q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv[:, :k_end], *rope)
-        write_kv(k_cache, v_cache, qk[:, q_end:], qkv[:, k_end:], meta.slot_mapping, TOKEN_MAJOR)
-        wrappers = self.plans.active or self.plans.wrappers
-        return wrappers[LayerKind.of(self)].run(qk[:, :q_end].contiguous(), (k_cache, v_cache))

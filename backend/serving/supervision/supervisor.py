@@ -43,7 +43,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tritonllm.serving import launcher
+from tritonllm.serving import tritonserver_process
 from tritonllm.serving.engine_health import HEALTH_DIR_ENV
 from tritonllm.serving.supervision.front import Front, Policy
 from tritonllm.serving.supervision.metrics import supervisor_metrics
@@ -131,15 +131,15 @@ class Supervisor:
 
     # -- tritonserver
     def _server_command(self) -> tuple[list[str], dict]:
-        self.private = dict(zip(("http", "grpc", "metrics"), launcher._pick_ports(None, None, None)))
+        self.private = dict(zip(("http", "grpc", "metrics"), tritonserver_process.pick_ports(None, None, None)))
         args = [*self.server_args, "--model-control-mode=explicit", "--strict-readiness=true",
                 # After the front's drain nothing is left in flight but what a dead stub holds: no point waiting.
                 f"--exit-timeout-secs={int(SERVER_STOP_S // 2)}"]
-        cmd = launcher.build_command(self.repository, self.private["http"], self.private["grpc"],
-                                     self.private["metrics"], host="127.0.0.1",
-                                     backend_dir=launcher.assemble_backend_dir(), log_verbose=self.log_verbose,
-                                     extra_args=args)
-        env = launcher.server_env()
+        cmd = tritonserver_process.build_command(self.repository, self.private["http"], self.private["grpc"],
+                                                 self.private["metrics"], host="127.0.0.1",
+                                                 backend_dir=tritonserver_process.assemble_backend_dir(),
+                                                 log_verbose=self.log_verbose, extra_args=args)
+        env = tritonserver_process.server_env()
         env[HEALTH_DIR_ENV] = str(self._health_dir)
         return cmd, env
 

@@ -1,5 +1,5 @@
 // All decoder layers of a Llama-family model in one call, for a step on CPU in float32 whose attention
-// runs through paged_decode_attention (devices/cpu/fused_layers.py `kernel_calls`).
+// runs through paged_decode_attention (devices/cpu/fused_layers.py `kernel_attention`).
 //
 // Why: at a few rows a layer's nine ops take microseconds each, and calling each from Python costs
 // more than that (argument parsing, dispatch, output allocation) plus the modules around them, while
@@ -34,7 +34,7 @@ using AddNorm = at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, do
 using RopeWrite = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                              const at::Tensor&, int64_t, int64_t);
 using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, double);
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 using SiluMul = at::Tensor(const at::Tensor&);
 
 struct Ops {
@@ -59,15 +59,16 @@ const Ops& ops() {
 // RMSNorm weights, over each head (Qwen3) or, with whole_projection_norms, over all the query and all the
 // key heads at once (OLMo), written back into the fused projection before the rotary. output_norms:
 // empty, or per layer the norms of the attention's and the MLP's outputs before their residual adds
-// (OLMo's post_attention_ and post_feedforward_layernorm). Attention: the paged_decode_attention calls
-// covering rows [call_starts[c], call_ends[c]). Returns the final residual stream (before the final
-// norm), as LlamaForCausalLM.forward does.
+// (OLMo's post_attention_ and post_feedforward_layernorm). Attention: one paged_decode_attention call per
+// layer over all the step's rows, with the step's block_table and per row row_seq, row_end, row_start
+// (devices/cpu/attention_rows.py; the same for every layer). Returns the final residual stream (before
+// the final norm), as LlamaForCausalLM.forward does.
 at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::TensorList weights,
                          const c10::List<c10::optional<at::Tensor>>& scales,
                          const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& slot_mapping, at::IntArrayRef call_starts, at::IntArrayRef call_ends,
-                         at::TensorList call_tables, at::TensorList call_masks, at::TensorList qk_norms,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& row_seq,
+                         const at::Tensor& row_end, const at::Tensor& row_start, at::TensorList qk_norms,
                          bool whole_projection_norms, at::TensorList output_norms, double scale, double eps,
                          int64_t num_heads, int64_t num_kv_heads) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
@@ -83,9 +84,6 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
               "decoder_stack: no query/key norms, or a query and a key norm per layer");
   TORCH_CHECK(output_norms.empty() || static_cast<int64_t>(output_norms.size()) == 2 * layers,
               "decoder_stack: no output norms, or an attention and an MLP output norm per layer");
-  const size_t calls = call_starts.size();
-  TORCH_CHECK(calls > 0 && call_ends.size() == calls && call_tables.size() == calls && call_masks.size() == calls,
-              "decoder_stack: per attention call a first row, an end row, block tables and a mask");
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kFloat, "decoder_stack: hidden [tokens, hidden] float32");
   const Ops& o = ops();
   const int64_t tokens = hidden_in.size(0), head_dim = k_caches[0].size(3);
@@ -95,17 +93,8 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
       return o.block_gemm.call(x, weights[i], *s, bias, out_features[i]);
     return o.packed_gemm.call(x, weights[i], bias, out_features[i]);
   };
-  // As paged_attention: one call covering every row returns its result, else each call's rows are
-  // copied into one output.
   auto attention = [&](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
-    if (calls == 1) return o.attention.call(q, k_cache, v_cache, call_tables[0], call_masks[0], scale);
-    at::Tensor out = at::empty_like(q);
-    for (size_t c = 0; c < calls; ++c) {
-      const int64_t start = call_starts[c], rows = call_ends[c] - start;
-      out.narrow(0, start, rows).copy_(
-          o.attention.call(q.narrow(0, start, rows), k_cache, v_cache, call_tables[c], call_masks[c], scale));
-    }
-    return out;
+    return o.attention.call(q, k_cache, v_cache, block_table, row_seq, row_end, row_start, scale);
   };
   const int64_t width = hidden_in.size(1);
   // residual += x, then the norm of it (LlamaDecoderLayer's _add_and_norm): the stream itself without one.
@@ -149,7 +138,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
 TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
   m.def("decoder_stack(Tensor(c!) hidden, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
         "int[] out_features, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
-        "Tensor slot_mapping, int[] call_starts, int[] call_ends, Tensor[] call_tables, Tensor[] call_masks, "
+        "Tensor slot_mapping, Tensor block_table, Tensor row_seq, Tensor row_end, Tensor row_start, "
         "Tensor[] qk_norms, bool whole_projection_norms, Tensor[] output_norms, float scale, float eps, int num_heads, int num_kv_heads) -> Tensor(c!)");
 }
 

@@ -1,18 +1,27 @@
-// Paged decode attention for CPUs: one query token per sequence, K and V read in place from the
-// block pool, so no step copies a sequence's context (the torch path gathers every block first).
-// Prompt tokens use it too, one row per token with that token's causal mask (layers/attention.py).
+// Paged decode attention for CPUs: one query token per row, K and V read in place from the block
+// pool, so no step copies a sequence's context (the torch path gathers every block first). Every
+// row of a step goes through one call: decodes and each prompt token alike, each row reading the
+// keys its position sees.
 //
-// Layout (layers/attention.py): q [batch, heads, head_dim]; k_cache, v_cache [kv_heads, num_blocks,
-// block_size, head_dim]; block_tables [batch, max_blocks] int64; mask [batch, max_blocks * block_size]
-// bool (true = attend: inside the context and not pruned). q and the result are float32; the pool is
-// float32, float16 or bfloat16 (`kv_cache_dtype`): 16-bit rows are widened to float32 as they are
-// loaded (F16C / a shift), so the arithmetic is the same and only half the bytes come from memory.
+// Layout (layers/attention.py): q [rows, heads, head_dim]; k_cache, v_cache [kv_heads, num_blocks,
+// block_size, head_dim]; block_table [num_seqs, max_blocks] int32, the step's SequenceBatch table as
+// is (an entry of -1 is a block the sequence gave back: pruned by kv_window or behind a sliding
+// window; it is skipped, never read). Per query row (devices/cpu/attention_rows.py): row_seq, whose
+// table it reads; it sees the keys at positions row_start <= p < row_end (its position + 1; the
+// start is 0, or for a sliding layer its position + 1 - window, clamped at 0). q and the result are
+// float32; the pool is float32, float16 or bfloat16 (`kv_cache_dtype`): 16-bit rows are widened to
+// float32 as they are loaded (F16C / a shift), so the arithmetic is the same and only half the
+// bytes come from memory.
 //
-// One work item is (sequence, KV head): its query heads share every K/V row it reads, and are
-// scored together (up to 4 at a time), so each row is loaded and widened once for all of them.
+// One work item is (row, KV head): its query heads share every K/V row it reads, and are scored
+// together (up to 4 at a time), so each row is loaded and widened once for all of them.
 // The threads claim items one at a time (claimed_chunks.h), longest context first (decodes arrive
-// sorted by length, shortest first), so the last items claimed are the cheapest and the threads
-// finish together even when one of them was paused.
+// sorted by length, shortest first, and a chunk's tokens in position order: the rows taken from the
+// last one back are already in that order, and any other order is sorted), so the last items claimed
+// are the cheapest and the threads finish together even when one of them was paused.
+// Only the blocks a row sees are visited: those overlapping [row_start, row_end) whose entry is not
+// -1. A block wholly inside that range is scored whole; the first and last may be partial (a window
+// starting mid-block, the context's last block), and their keys outside the range are masked.
 // K and V are read in one pass, block by block (online softmax): score the block's keys, update each
 // query head's running max, sum and output (rescaled only when the max grows), add the block's V
 // rows. The next block's lines are prefetched: blocks are scattered 4 KB pages the hardware cannot
@@ -26,8 +35,8 @@
 // share a KV head are scored together, so each key is loaded once for all of them. Shapes
 // the vector path does not cover (head_dim or block_size not a multiple of VL) take a scalar path
 // with the same results.
-// Built with -ffast-math: nothing here produces an infinity or a NaN (masked keys get a finite
-// -1e30 score and are never read from V), which that flag requires.
+// Built with -ffast-math: nothing here produces an infinity or a NaN (masked keys of a partial block
+// get a finite -1e30 score and are never read from V), which that flag requires.
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -41,6 +50,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -187,7 +197,7 @@ struct NextBlock {
 };
 
 struct Shapes {
-  int64_t B, H, D, KVH, NB, BS, MAXB, W, G;
+  int64_t B, H, D, KVH, NB, BS, S, MAXB, G;  // B: query rows; S: sequences (block-table rows)
 };
 
 // Running softmax state of one query head: max, sum and the unnormalised output row (D floats).
@@ -282,7 +292,7 @@ void block_vec_groups(const float* qh, const T* kb, const T* vb, const bool* mb,
 
 // One block for all G query heads, scalar path (any head_dim and block size).
 template <typename T>
-void block_scalar(const float* qh, const T* kb, const T* vb, const bool* mb, bool, const Shapes& s,
+void block_scalar(const float* qh, const T* kb, const T* vb, const bool* mb, bool full, const Shapes& s,
                   float scale, HeadState* st, float* oh, float* scores, NextBlock& next) {
   next.all();
   const int64_t D = s.D;
@@ -290,7 +300,7 @@ void block_scalar(const float* qh, const T* kb, const T* vb, const bool* mb, boo
     const float* qr = qh + g * D;
     float bmax = -FLT_MAX;
     for (int64_t t = 0; t < s.BS; ++t) {
-      if (!mb[t]) continue;
+      if (!full && !mb[t]) continue;
       const T* kr = kb + t * D;
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
@@ -301,7 +311,7 @@ void block_scalar(const float* qh, const T* kb, const T* vb, const bool* mb, boo
     float* o = oh + g * D;
     rescale(st[g], bmax, o, D);
     for (int64_t t = 0; t < s.BS; ++t) {
-      if (!mb[t]) continue;
+      if (!full && !mb[t]) continue;
       const float w = std::exp(scores[t] - st[g].max);
       st[g].sum += w;
       const T* vr = vb + t * D;
@@ -346,47 +356,72 @@ BlockFn<T> block_fn(const Shapes& s) {
   }
 }
 
+// The rows in the order their items are claimed: the most keys first. Decodes arrive shortest first and
+// a chunk's tokens in position order, so the rows from the last one back are usually that order already.
+inline std::vector<int64_t> longest_first(const int32_t* row_end, const int32_t* row_start, int64_t rows) {
+  std::vector<int64_t> order(rows);
+  for (int64_t i = 0; i < rows; ++i) order[i] = rows - 1 - i;
+  const auto more_keys = [&](int64_t a, int64_t b) {
+    return std::max(row_end[a] - row_start[a], 0) > std::max(row_end[b] - row_start[b], 0);
+  };
+  if (!std::is_sorted(order.begin(), order.end(), more_keys)) std::stable_sort(order.begin(), order.end(), more_keys);
+  return order;
+}
+
 template <typename T>
-void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-            const at::Tensor& mask, const Shapes& s, float fscale, at::Tensor& out) {
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+            const at::Tensor& row_seq, const at::Tensor& row_end, const at::Tensor& row_start, const Shapes& s,
+            float fscale, at::Tensor& out) {
   const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const bool* mp = mask.data_ptr<bool>();
+  const int32_t* tp = block_table.data_ptr<int32_t>();
+  const int32_t* seqp = row_seq.data_ptr<int32_t>();
+  const int32_t* endp = row_end.data_ptr<int32_t>();
+  const int32_t* startp = row_start.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const BlockFn<T> attend_block = block_fn<T>(s);
   const int64_t block_elems = s.BS * s.D;
   // NextBlock::step calls in block_vec per block: a K row and a V row for each key, per head group.
   const int64_t calls_per_block = 2 * (s.G / head_group(s.G)) * s.BS;
+  const std::vector<int64_t> order = longest_first(endp, startp, s.B);
 
   tritonllm::parallel_claim(s.B * s.KVH, 1, [&](tritonllm::ClaimedChunks& items) {
     std::vector<float> scores(s.G * s.BS);  // one row of block scores per query head
     std::vector<HeadState> st(s.G);
+    std::unique_ptr<bool[]> partial(new bool[s.BS]);  // which keys of a partial block the row sees
     for (int64_t begin, end; items.next(begin, end);) {
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t h = item % s.KVH, b = s.B - 1 - item / s.KVH;  // the longest contexts first
+        const int64_t h = item % s.KVH, b = order[item / s.KVH];
         const float* qh = qp + (b * s.H + h * s.G) * s.D;
-        const int64_t* table = tp + b * s.MAXB;
-        const bool* m = mp + b * s.W;
+        const int32_t* table = tp + static_cast<int64_t>(seqp[b]) * s.MAXB;
+        const int64_t first = startp[b], last = endp[b];  // keys first <= p < last
         float* oh = op + (b * s.H + h * s.G) * s.D;
         std::fill(oh, oh + s.G * s.D, 0.f);
         std::fill(st.begin(), st.end(), HeadState{});
-        for (int64_t j = 0; j < s.MAXB; ++j) {
-          const bool* mb = m + j * s.BS;
-          int64_t valid = 0;
-          for (int64_t t = 0; t < s.BS; ++t) valid += mb[t];
-          if (valid == 0) continue;  // padding or a pruned block
+        const int64_t j_end = (last + s.BS - 1) / s.BS;
+        int64_t j = first < last ? first / s.BS : j_end;
+        while (j < j_end && table[j] < 0) ++j;  // blocks given back
+        while (j < j_end) {
+          int64_t j_next = j + 1;
+          while (j_next < j_end && table[j_next] < 0) ++j_next;
           NextBlock next;
-          if (j + 1 < s.MAXB) {
-            next.k = reinterpret_cast<const char*>(kp + (h * s.NB + table[j + 1]) * block_elems);
-            next.v = reinterpret_cast<const char*>(vp + (h * s.NB + table[j + 1]) * block_elems);
+          if (j_next < j_end) {
+            next.k = reinterpret_cast<const char*>(kp + (h * s.NB + table[j_next]) * block_elems);
+            next.v = reinterpret_cast<const char*>(vp + (h * s.NB + table[j_next]) * block_elems);
             next.bytes = block_elems * static_cast<int64_t>(sizeof(T));
             next.per_call = (next.bytes / 64 + calls_per_block - 1) / calls_per_block;
           }
+          // The block's keys the row sees: [lo, hi) of its BS.
+          const int64_t lo = std::max<int64_t>(first - j * s.BS, 0), hi = std::min<int64_t>(last - j * s.BS, s.BS);
+          const bool full = lo == 0 && hi == s.BS;
+          if (!full) {
+            for (int64_t t = 0; t < s.BS; ++t) partial[t] = t >= lo && t < hi;
+          }
           const T* kb = kp + (h * s.NB + table[j]) * block_elems;
           const T* vb = vp + (h * s.NB + table[j]) * block_elems;
-          attend_block(qh, kb, vb, mb, valid == s.BS, s, fscale, st.data(), oh, scores.data(), next);
+          attend_block(qh, kb, vb, partial.get(), full, s, fscale, st.data(), oh, scores.data(), next);
+          j = j_next;
         }
         for (int64_t g = 0; g < s.G; ++g) {
           const float inv = st[g].sum > 0.f ? 1.f / st[g].sum : 0.f;
@@ -400,7 +435,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables_in, const at::Tensor& mask_in, double scale) {
+                                  const at::Tensor& block_table_in, const at::Tensor& row_seq_in,
+                                  const at::Tensor& row_end_in, const at::Tensor& row_start_in, double scale) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode_attention: q [B,H,D], k/v cache [KVH,NB,BS,D]");
   const at::ScalarType kv = k_cache.scalar_type();
@@ -409,27 +445,39 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
               "paged_decode_attention: a float32, float16 or bfloat16 pool");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode_attention: contiguous pool");
   const at::Tensor q = q_in.contiguous();
-  const at::Tensor tables = block_tables_in.to(at::kLong).contiguous();
-  const at::Tensor mask = mask_in.to(at::kBool).contiguous();
+  // int32 as SequenceBatch holds them (a no-op then).
+  const at::Tensor table = block_table_in.to(at::kInt).contiguous();
+  const at::Tensor row_seq = row_seq_in.to(at::kInt).contiguous();
+  const at::Tensor row_end = row_end_in.to(at::kInt).contiguous();
+  const at::Tensor row_start = row_start_in.to(at::kInt).contiguous();
   Shapes s;
   s.B = q.size(0), s.H = q.size(1), s.D = q.size(2);
   s.KVH = k_cache.size(0), s.NB = k_cache.size(1), s.BS = k_cache.size(2);
-  s.MAXB = tables.size(1), s.W = s.MAXB * s.BS;
+  TORCH_CHECK(table.dim() == 2, "paged_decode_attention: block_table [num_seqs, max_blocks]");
+  s.S = table.size(0), s.MAXB = table.size(1);
   TORCH_CHECK(k_cache.size(3) == s.D && s.H % s.KVH == 0, "paged_decode_attention: head shapes");
-  TORCH_CHECK(tables.size(0) == s.B && mask.numel() == s.B * s.W, "paged_decode_attention: table/mask shapes");
+  TORCH_CHECK(row_seq.numel() == s.B && row_end.numel() == s.B && row_start.numel() == s.B,
+              "paged_decode_attention: row_seq, row_end and row_start: one per query row");
   s.G = s.H / s.KVH;  // query heads per KV head
   at::Tensor out = at::empty_like(q);
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  for (int64_t i = 0; i < s.B * s.MAXB; ++i) {
-    TORCH_CHECK(tp[i] >= 0 && tp[i] < s.NB, "paged_decode_attention: block id out of range");
+  const int32_t* tp = table.data_ptr<int32_t>();
+  for (int64_t i = 0; i < s.S * s.MAXB; ++i) {
+    TORCH_CHECK(tp[i] >= -1 && tp[i] < s.NB, "paged_decode_attention: block id out of range");
+  }
+  const int32_t* seqp = row_seq.data_ptr<int32_t>();
+  const int32_t* endp = row_end.data_ptr<int32_t>();
+  const int32_t* startp = row_start.data_ptr<int32_t>();
+  for (int64_t r = 0; r < s.B; ++r) {
+    TORCH_CHECK(seqp[r] >= 0 && seqp[r] < s.S, "paged_decode_attention: row_seq out of range");
+    TORCH_CHECK(startp[r] >= 0 && endp[r] <= s.MAXB * s.BS, "paged_decode_attention: row keys outside the table");
   }
   const float fscale = static_cast<float>(scale);
   if (kv == at::kHalf) {
-    attend<c10::Half>(q, k_cache, v_cache, tables, mask, s, fscale, out);
+    attend<c10::Half>(q, k_cache, v_cache, table, row_seq, row_end, row_start, s, fscale, out);
   } else if (kv == at::kBFloat16) {
-    attend<c10::BFloat16>(q, k_cache, v_cache, tables, mask, s, fscale, out);
+    attend<c10::BFloat16>(q, k_cache, v_cache, table, row_seq, row_end, row_start, s, fscale, out);
   } else {
-    attend<float>(q, k_cache, v_cache, tables, mask, s, fscale, out);
+    attend<float>(q, k_cache, v_cache, table, row_seq, row_end, row_start, s, fscale, out);
   }
   return out;
 }
@@ -437,8 +485,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor mask, "
-        "float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor row_seq, "
+        "Tensor row_end, Tensor row_start, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,7 +1,7 @@
 """The scheduler rank's side of tensor parallelism: start ranks 1..N-1, send them each step, watch them.
 
 This process is rank 0: it keeps the scheduler, block manager and Triton glue, and runs its own
-shard of the model. Every other rank is a worker process (`python -m tritonllm.parallel.worker`) that
+shard of the model. Every other rank is a worker process (`python -m tritonllm.runner.tp_worker`) that
 only runs the model: it receives each step's host inputs over a private socket pair, in order, and
 meets the other ranks in the forward's all-reduces (torch.distributed: gloo on CPU, NCCL on CUDA,
 HCCL on Ascend). A worker that exits is noticed by a watchdog thread within a fraction of a
@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from tritonllm.engine.config import EngineConfig
+from tritonllm.core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ class WorkerSpec:
     config: EngineConfig  # the engine's, whole: the device backend's options travel in it
     model_dir: str
     dtype: str  # torch dtype name, e.g. "float32"
-    kv_cache_dtype: str  # the pool's torch dtype name (kv_cache_dtype resolved)
     device: str  # this rank's device, e.g. "cpu" or "cuda:1"
     max_model_len: int
     rank: int
@@ -84,7 +83,7 @@ class TensorParallelWorkers:
         for spec in specs:
             ours, theirs = socket.socketpair()
             env["TRITONLLM_TP_FD"] = str(theirs.fileno())
-            proc = subprocess.Popen([exe, "-m", "tritonllm.parallel.worker"], env=env, pass_fds=(theirs.fileno(),))
+            proc = subprocess.Popen([exe, "-m", "tritonllm.runner.tp_worker"], env=env, pass_fds=(theirs.fileno(),))
             theirs.close()
             conn = Connection(ours.detach())
             conn.send(spec)

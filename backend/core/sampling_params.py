@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 
-from tritonllm.engine.errors import InvalidRequestError  # re-exported: callers import it from here
-from tritonllm.guided.decoding import parse_guided_decoding
+from tritonllm.core.errors import InvalidRequestError  # re-exported: callers import it from here
+from tritonllm.core.guided_request import parse_guided_request
 
 
 # The parameters that are numbers with a fraction: an integer given for one is taken as a float.
@@ -67,6 +67,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Constrained output (vLLM's guided_decoding, also sent as structured_outputs): {"choice": [strings]},
     # {"regex": pattern}, {"json": schema} or {"json_object": true} (guided/decoding.py). None: free.
+    # Plain data here, its form checked (core/guided_request.py); whether it can be followed is checked by
+    # guided.decoding.check_guided_decoding, which the engine runs before it queues the request.
     guided_decoding: dict | None = None
     # Keep only the prompt's last k tokens (vLLM's; -1: the last max_model_len - 1). None: whole prompt.
     truncate_prompt_tokens: int | None = None
@@ -92,7 +94,7 @@ class SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError(f"best_of must equal n ({self.n}) when given: every completion generated is "
                                       f"returned, got best_of={self.best_of!r}")
-        self.guided_decoding = parse_guided_decoding(self.guided_decoding)
+        self.guided_decoding = parse_guided_request(self.guided_decoding)  # its form; the engine checks the rest
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
             raise InvalidRequestError(f"truncate_prompt_tokens must be a positive integer or -1, got {k!r}")

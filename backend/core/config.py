@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tritonllm.engine.parameters import ConfigError, parse_value
+from tritonllm.core.parameters import ConfigError, parse_value
 
 logger = logging.getLogger(__name__)
 
@@ -275,8 +275,3 @@ def parameter_fields(config_class=EngineConfig) -> dict[str, tuple[str, dataclas
         for f in dataclasses.fields(group.default_factory):
             found[parameter_name(f)] = (group.name, f)
     return found
-
-
-def iter_groups(config: EngineConfig) -> Iterator[tuple[str, object]]:
-    for group in dataclasses.fields(config):
-        yield group.name, getattr(config, group.name)

@@ -7,8 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from tritonllm.guided.grammar import GrammarCursor
-from tritonllm.engine.sampling_params import SamplingParams
+from tritonllm.core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -70,8 +69,9 @@ class Sequence:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chained hashes of full blocks, for the prefix cache
         self.bad_word_ids: list[tuple[int, ...]] = []  # params.bad_words as token ids (set by the engine)
-        # params.guided_decoding's guide, with this sequence's progress through it (set by the engine)
-        self.guided: GrammarCursor | None = None
+        # params.guided_decoding's guide, with this sequence's progress through it (set by the engine):
+        # a guided.grammar.GrammarCursor
+        self.guided = None
         # params.prompt_logprobs: per prompt position p < num_prompt_tokens - 1, the entries scoring token
         # p + 1 (runner/prompt_logprobs.py), filled as the prompt's chunks run
         self.prompt_logprobs: list[list[tuple[int, float, int]]] = []

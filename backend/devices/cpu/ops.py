@@ -1,0 +1,94 @@
+"""The CPU's implementation of the model's ops (layers/ops.py): our C++ kernels, and GEMMs on weights
+packed once at load.
+
+Which op takes which implementation, and why where it falls back to the torch reference:
+- `linear`: the GEMM chosen by `cpu_gemm` (packed_linear.py) on the weight packed once by
+  `prepare_linear`, with its exact quantized blocks where it is such blocks (exact_blocks.py); `aten`
+  packs nothing and runs `F.linear`.
+- `add_rms_norm`, `act_and_mul` (SiLU only; Gemma's GELU stays torch), `rotary_write_kv` and
+  `attention`: one C++ kernel each (csrc/fused_decoder_ops.cpp, csrc/paged_decode_attention.cpp),
+  for float32 with the kernels built (`cpu_kernels`). The attention kernel does not cap scores: a layer
+  with Gemma 2's soft cap runs the torch attention after the fused rotary + KV write.
+- `decoder_stack`: every decoder layer as one C++ call (decoder_stack.py) where the model and the
+  step allow; set by the backend once the weights are packed.
+- `rms_norm` (a norm with no residual add before it) stays torch: `F.rms_norm` is one call already.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tritonllm.devices.cpu import kernels
+from tritonllm.devices.cpu.fused_layers import kernel_attention
+from tritonllm.devices.cpu.packed_linear import PackedWeight
+from tritonllm.layers.attention import PagedAttention
+from tritonllm.layers.attention_metadata import AttentionMetadata
+from tritonllm.layers.linear import Linear
+from tritonllm.layers.ops import LayerOps
+
+
+class CpuOps(LayerOps):
+    """`kernels`: our C++ kernels run (float32, built); `gemm`: the resolved `cpu_gemm`; `batch_hint`: the
+    row count packed layouts are tuned for; `exact_blocks`: keep exact quantized blocks beside the panels."""
+
+    name = "cpu"
+
+    def __init__(self, kernels_on: bool, gemm: str, batch_hint: int, exact_blocks: bool):
+        self.kernels = kernels_on
+        self.gemm = gemm
+        self.batch_hint = batch_hint
+        self.exact_blocks = exact_blocks and gemm == "avx512"
+        self.decoder_stack = None
+
+    def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.packed is None:
+            return F.linear(x, layer.weight, layer.bias)
+        return layer.packed(x, layer.bias)
+
+    def prepare_linear(self, layer: Linear, shared: torch.Tensor | None = None) -> None:
+        """Pack the layer's weight for the GEMM kernel (`shared`: that weight already packed for it, e.g.
+        the bfloat16 screen's copy of the LM head). The plain weight is dropped, unless another module
+        owns it (a tied LM head: the embedding table)."""
+        if self.gemm == "aten":
+            return
+        layer.packed = PackedWeight(layer.weight, self.gemm, self.batch_hint, packed=shared,
+                                    exact_blocks=self.exact_blocks)
+        if not layer.tied:
+            layer.weight = None
+
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not self.kernels:
+            return super().add_rms_norm(residual, x, weight, eps)
+        return kernels.add_rms_norm_(residual, x, weight, eps)
+
+    def act_and_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        if not self.kernels or activation != "silu":
+            return super().act_and_mul(gate_up, activation)
+        return kernels.silu_mul(gate_up)
+
+    def rotary_write_kv(self, layer: PagedAttention, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
+        if not self.kernels:
+            return super().rotary_write_kv(layer, qkv, rope, kv_cache, slot_mapping)
+        return kernels.rope_write_kv(qkv, *rope, *kv_cache, slot_mapping, layer.num_heads, layer.num_kv_heads)
+
+    def attention(self, layer: PagedAttention, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                  meta: AttentionMetadata) -> torch.Tensor:
+        if not self.kernels or layer.softcap is not None:
+            return super().attention(layer, q, kv_cache, meta)
+        return kernel_attention(q, *kv_cache, meta.seqs, layer.scale, layer.window)
+
+    def plan(self) -> dict[str, str]:
+        plan = super().plan()
+        if self.gemm != "aten":
+            blocks = " + exact blocks" if self.exact_blocks else ""
+            plan["linear"] = plan["lm_head"] = f"{self.gemm} packed{blocks}"
+        if self.kernels:
+            plan.update(add_rms_norm="C++", act_and_mul="C++ (SiLU; other activations torch)",
+                        rotary_write_kv="C++", attention="C++ paged (soft-capped layers torch)")
+        else:
+            why = "C++ kernels off (cpu_kernels=false, not float32, or not built)"
+            for op in ("add_rms_norm", "act_and_mul", "rotary_write_kv", "attention"):
+                plan[op] = f"torch ({why})"
+        return plan
