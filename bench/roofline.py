@@ -87,10 +87,10 @@ def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 4) -> dict:
 
 def decode_flops(model: nn.Module, batch: int, context_lens: list[int]) -> dict:
     """FLOPs of one decode step: weights (Linear layers + LM head) and attention (QK^T and PV)."""
-    from tritonllm.devices.cpu.packed_linear import PackedLinear
+    from tritonllm.layers.linear import Linear
 
     # Every GEMM weight of the layers, counted from the layers' shapes (packed layers keep no plain weight).
-    linear = sum(m.in_features * m.out_features for m in model.layers.modules() if isinstance(m, (nn.Linear, PackedLinear)))
+    linear = sum(m.in_features * m.out_features for m in model.layers.modules() if isinstance(m, (nn.Linear, Linear)))
     cfg = model.config
     head = cfg.vocab_size * cfg.hidden_size
     head_dim = getattr(model, "head_dim", cfg.hidden_size // cfg.num_attention_heads)

@@ -110,6 +110,6 @@ sys.exit(1 if failed else 0)
 EOF
 
 step "unit tests without torch"
-"$py" -m pytest -q -p no:cacheprovider -m "not server" \
+"$py" -m pytest -q -p no:cacheprovider -m unit \
   tests/test_scheduler.py tests/test_block_manager.py tests/test_model_files.py tests/test_client_cli.py
 echo "check_python: Python $version OK in ${SECONDS}s"

@@ -1,4 +1,4 @@
-"""Linear layers whose CPU GEMMs run on a weight packed once at load, by our kernel or oneDNN.
+"""Weights packed once at load for the CPU GEMMs of `Linear` layers (devices/cpu/ops.py), by our kernel or oneDNN.
 
 `F.linear` reads the plain [out, in] weight at every step. For the decode shapes of a small model
 the GEMMs are most of a step, and a weight packed once into a kernel's own layout streams straight
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import sys
 import torch
-from torch import nn
 
 from tritonllm.devices.cpu import kernels as cpu_kernels
 from tritonllm.devices.cpu.exact_blocks import find_blocks
@@ -106,24 +105,6 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.data, bias, "none", [], "")
 
 
-class PackedLinear(nn.Module):
-    """An `nn.Linear` whose weight lives only in its packed form (`packed`); same results as the layer
-    it replaces, up to the kernel's own summation order."""
-
-    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None):
-        super().__init__()
-        self.packed = packed
-        self.in_features, self.out_features = packed.in_features, packed.out_features
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-
-    @classmethod
-    def of(cls, linear: nn.Linear, kernel: str, batch_hint: int, exact_blocks: bool = False) -> "PackedLinear":
-        return cls(PackedWeight(linear.weight, kernel, batch_hint, exact_blocks=exact_blocks), linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.packed(x, self.bias)
-
-
 def tune_blocks_max_rows(weights: list[PackedWeight], max_rows: int, step_rows: int | None = None) -> int:
     """Up to how many rows this CPU runs a step's GEMMs faster from the exact blocks than from the float32
     panels, timed once at load on `weights` themselves; sets every weight's `blocks_max_rows` to it.
@@ -178,16 +159,3 @@ def _pays(weights: list[PackedWeight], rows: int, candidate, current) -> bool:
             gemm(w, xs[w.in_features])
 
     return faster(lambda: each(candidate), lambda: each(current), 0.97)
-
-
-def pack_linears(model: nn.Module, kernel: str, batch_hint: int, exact_blocks: bool = False) -> list[PackedLinear]:
-    """Replace every `nn.Linear` of `model` by a `PackedLinear` for `kernel` ("avx512", "avx512_bf16" or
-    "onednn"); returns the new layers. The plain weights are dropped with the layers they belonged to."""
-    packed = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                layer = PackedLinear.of(child, kernel, batch_hint, exact_blocks)
-                setattr(parent, name, layer)
-                packed.append(layer)
-    return packed
