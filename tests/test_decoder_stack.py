@@ -165,7 +165,7 @@ def test_layers_that_all_slide_with_one_window_run_in_the_stack_with_the_modules
     args = {**tiny_config_args(tokenizer), "num_hidden_layers": 3}
     reference = write_tiny_model(transformers.MistralConfig(**args, sliding_window=20), tokenizer, tmp_path)
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in ("def fibonacci(n):", "Once upon a time", "1, 2, 3")]
-    params = SamplingParams(max_tokens=30, logprobs=True, ignore_eos=True)
+    params = SamplingParams(max_tokens=40, logprobs=True, ignore_eos=True)  # 20 or more past the window
     results = {}
     for on in (True, False):
         eng = engine(tmp_path)
@@ -179,7 +179,7 @@ def test_layers_that_all_slide_with_one_window_run_in_the_stack_with_the_modules
     assert results[True][0] == results[False][0]
     assert torch.equal(bits(results[True][1]), bits(results[False][1]))
     for ids, out in zip(prompts, results[True][0]):
-        expected = reference.generate(torch.tensor([ids]), max_new_tokens=30, min_new_tokens=30, do_sample=False)
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
         assert out == expected[0, len(ids):].tolist()
 
 
