@@ -87,8 +87,8 @@ class LlamaAttention(nn.Module):
                 qkv[:, :q_end] = self.q_norm(qkv[:, :q_end])
                 qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end])
         rope = meta.local_rope if self.local_rope else meta.rope
-        # A sliding layer's masks, and its slots and block tables where its K/V have a pool of their own
-        # (kernels that take lengths apply the window themselves: no such metadata without that pool).
+        # A sliding layer whose K/V have a pool of their own reads that pool's slots and block tables; its
+        # window itself is the attention layer's (`PagedAttention.window`), applied by every implementation.
         layer_meta = meta.sliding if self.sliding and meta.sliding is not None else meta
         out = self.attn(qkv, rope, kv_cache, layer_meta)
         return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
