@@ -245,21 +245,26 @@ def test_every_gemm_of_the_default_model_reads_exact_blocks(model_dir):
     GEMM's results bit for bit."""
     from tritonllm.core.config import EngineConfig
     from tritonllm.layers.linear import Linear
+    from tritonllm.models.loader import load_model
     from tritonllm.parallel.shard import SINGLE
     from tritonllm.runner.model_shard import ModelShard
 
     config = EngineConfig.from_parameters(cpu_gemm="avx512", exact_block_weights=True, max_num_seqs=64)
     shard = ModelShard(config, model_dir, torch.device("cpu"), torch.float32, 256, SINGLE)
     model = shard.model
-    linears = [m.packed for m in model.layers.modules() if isinstance(m, Linear)]
+    layers = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    linears = [m.packed for m in layers]
     assert len(linears) == 4 * model.num_layers and all(p.blocks is not None for p in linears)
     head = model.lm_head.packed
     assert head is not None and head.blocks is not None and head.blocks[0].shape[2] == 32  # 8-bit codes
+    # The float32 panels of the same weights, from the plain model (the served one may have freed its own).
+    plain = load_model(model_dir, torch.float32, torch.device("cpu"), 256)
+    plain_weights = [m.weight for m in plain.layers.modules() if isinstance(m, Linear)][:8] + [plain.lm_head.weight]
     gen = torch.Generator().manual_seed(0)
     for rows in (BLOCKS_MAX_ROWS, 64, 300):  # 300: a step with a prompt chunk, as tune_blocks_max_rows may hand them
-        for p in linears[:8] + [head]:
+        for p, weight in zip(linears[:8] + [head], plain_weights):
             x = torch.randn(rows, p.in_features, generator=gen)
-            want = cpu_kernels.packed_gemm(x, p.data, None, p.out_features)
+            want = cpu_kernels.packed_gemm(x, cpu_kernels.pack_gemm_weight(weight), None, p.out_features)
             assert torch.equal(bits(cpu_kernels.block_gemm(x, *p.blocks, None, p.out_features)), bits(want))
     # The rows up to which the blocks are read were timed at load; never fewer than the default.
     assert all(p.blocks_max_rows == linears[0].blocks_max_rows >= BLOCKS_MAX_ROWS for p in linears)

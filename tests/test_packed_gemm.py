@@ -160,7 +160,7 @@ def test_engine_tokens_equal_on_every_cpu_gemm():
     for gemm in ("avx512", "onednn", "aten"):
         engine = Engine(EngineConfig.from_parameters(device="cpu", num_threads=2, cpu_gemm=gemm, num_kv_blocks=256, warmup=False))
         o_proj = engine.runner.model.layers[0].self_attn.o_proj
-        assert (o_proj.packed.kernel if hasattr(o_proj, "packed") else "aten") == gemm
+        assert (o_proj.packed.kernel if o_proj.packed is not None else "aten") == gemm
         outputs[gemm] = [o.token_ids for o in engine.generate(prompts, params)]
     assert outputs["avx512"] == outputs["onednn"] == outputs["aten"]
 

@@ -56,6 +56,9 @@ class CpuBackend(DeviceBackend):
         if ops.kernels and self.options.greedy_screen != "false" and self.runtime.rank == 0:
             # Before packing, which drops an untied head's plain weight: the screens keep it.
             screens = build_screens(self.options.greedy_screen, model.lm_head.weight)
+            self.head.screen_off = "" if screens else "no screen runs on this CPU"
+        elif self.options.greedy_screen == "false":
+            self.head.screen_off = "greedy_screen=false"
         layers = [m for m in model.layers.modules() if isinstance(m, Linear)]
         for layer in layers:
             ops.prepare_linear(layer)
@@ -99,6 +102,11 @@ class CpuBackend(DeviceBackend):
 
     def plan(self) -> dict[str, str]:
         plan = super().plan()
+        if self.ops.gemm != self.options.gemm:
+            why = f" (cpu_gemm={self.options.gemm} cannot run for this CPU, dtype and build)"
+            plan["linear"] += why
+            if "lm_head" in plan:
+                plan["lm_head"] += why
         if self.ops.decoder_stack is not None:
             plan["decoder_stack"] = "C++ (unless sliding layers mix with full ones)"
         else:

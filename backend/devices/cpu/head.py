@@ -60,6 +60,7 @@ class CpuGreedyHead(GreedyHead):
         self.screen: Screen | None = None
         self.screen_min_rows = 0
         self.head: PackedWeight | None = None
+        self.screen_off = "C++ kernels off"  # why no screen, for the plan
 
     def choose_screen(self, screens: list[Screen], head: PackedWeight | None, max_rows: int, timed: bool) -> None:
         """Keep the screen to use: with `timed` (greedy_screen=auto on the float32 head), the one timed fastest
@@ -71,6 +72,7 @@ class CpuGreedyHead(GreedyHead):
         chosen = fastest_screen(screens, lambda x: head(x, None), max_rows)
         if chosen is None:
             logger.info("greedy_screen: the float32 head is faster on this CPU (timed at %d rows); no screen", max_rows)
+            self.screen_off = "the float32 head is faster on this CPU"
             return
         self.screen, self.screen_min_rows = chosen
         logger.info("greedy_screen: the %s screen, for steps of %d rows or more (timed on this CPU)",
@@ -99,5 +101,5 @@ class CpuGreedyHead(GreedyHead):
     def describe(self) -> str:
         fused = "C++ argmax + log-prob" if self.fused else "torch"
         if self.screen is None:
-            return fused
+            return f"{fused}, no screen ({self.screen_off})"
         return f"{fused}, {self.screen_kind()} screen from {self.screen_min_rows} rows"
