@@ -305,7 +305,7 @@ def test_prompt_chunks_through_the_kernel_equal_the_sdpa_path(decode_lengths, pr
     """Each prompt token goes through the decode kernel as a query row of its own, every row of the step
     in one call, reading its sequence's table up to its position (in a sliding layer, from its
     position + 1 - window: a window of 24 starts mid-block)."""
-    from tritonllm.devices.cpu.fused_layers import kernel_attention
+    from tritonllm.devices.cpu.paged_attention import kernel_attention
     from tritonllm.layers.attention import paged_attention
     from tritonllm.core.sampling_params import SamplingParams
     from tritonllm.scheduling.scheduler import ScheduledSeq

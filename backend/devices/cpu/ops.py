@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.devices.cpu import kernels
-from tritonllm.devices.cpu.fused_layers import kernel_attention
+from tritonllm.devices.cpu.paged_attention import kernel_attention
 from tritonllm.devices.cpu.packed_linear import PackedWeight
 from tritonllm.layers.attention import PagedAttention
 from tritonllm.layers.attention_metadata import AttentionMetadata
