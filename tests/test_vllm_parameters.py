@@ -23,13 +23,19 @@ def test_top_k_minus_one_and_seed_minus_one_mean_off_as_in_vllm():
         SamplingParams.from_dict({"top_k": -2})
 
 
-def test_max_tokens_null_runs_to_max_model_len_and_absent_keeps_the_default(engine):
+def test_max_tokens_null_runs_to_max_model_len_and_absent_keeps_the_default(model_dir):
+    from tritonllm.core.config import EngineConfig
+    from tritonllm.engine.engine import Engine
+
     assert SamplingParams.from_dict({}).max_tokens == 16
     params = SamplingParams.from_dict({"max_tokens": None, "ignore_eos": True})
     assert params.max_tokens is None
+    # A short max_model_len of its own: running to it is what is tested, not how long it is.
+    engine = Engine(EngineConfig.from_parameters(model=str(model_dir), max_model_len=160, num_kv_blocks=32,
+                                                 warmup=False))
     prompt_ids = engine.tokenizer.encode(PLAIN_PROMPTS[0])
     [out] = engine.generate(prompt_token_ids=[prompt_ids], params=params)
-    assert out.finish_reason == "length" and len(prompt_ids) + len(out.token_ids) == engine.max_model_len
+    assert out.finish_reason == "length" and len(prompt_ids) + len(out.token_ids) == engine.max_model_len == 160
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         SamplingParams.from_dict({"max_tokens": 0})
 
