@@ -51,7 +51,7 @@ namespace {
 constexpr int64_t kPanel = 32;           // output columns per panel (two zmm, four ymm)
 constexpr int64_t kBlock = 32;           // k values sharing one scale (and one min)
 #if TRITONLLM_PANEL_GEMM && !defined(__AVX512F__)
-constexpr int kMaxRows = 3;              // rows per microkernel call on AVX2 (packed_gemm.cpp's MR)
+constexpr int kMaxRows = 3;              // rows per microkernel call on AVX2 (packed_gemm.cpp's MR; 2 measured slower)
 #else
 constexpr int kMaxRows = 12;             // rows per microkernel call
 #endif
@@ -143,17 +143,26 @@ constexpr int kHalfVectors = 16 / pv::VL;  // vectors per 16 columns
 // A format decodes one k step of a panel into the V vectors of its 32 float32 weights.
 struct Q4Blocks {
   static constexpr int64_t kCodeBytes = kPanel / 2, kScaleFloats = 2 * kPanel;
-  vf d[V], m[V];
+#if TRITONLLM_PANEL_VL == 16
+  vf d_[V], m_[V];  // the block's d and m in registers: 32 zmm have room
   void block(const float* s) {
 #pragma GCC unroll 4
-    for (int j = 0; j < V; ++j) d[j] = pv::load(s + j * pv::VL), m[j] = pv::load(s + kPanel + j * pv::VL);
+    for (int j = 0; j < V; ++j) d_[j] = pv::load(s + j * pv::VL), m_[j] = pv::load(s + kPanel + j * pv::VL);
   }
+  vf d(int j) const { return d_[j]; }
+  vf m(int j) const { return m_[j]; }
+#else
+  const float* s_;  // AVX2: d and m read from L1 at each use, so the 16 ymm hold the sums (measured faster)
+  void block(const float* s) { s_ = s; }
+  vf d(int j) const { return pv::load(s_ + j * pv::VL); }
+  vf m(int j) const { return pv::load(s_ + kPanel + j * pv::VL); }
+#endif
   // Vector j: columns 16 (j / H) + VL (j % H) .., bytes VL (j % H) .. (H = 16 / VL): low nibbles for the
   // first 16 columns, high for the next 16.
   vf decode(const uint8_t* c, int j) const {
     const vi v = pv::widen_u8(c + (j % kHalfVectors) * pv::VL);
     // d * q is exact (pack_block_weight checks), so one rounding is both
-    return pv::fma(pv::to_float(j < kHalfVectors ? v & 0xf : v >> 4), d[j], m[j]);
+    return pv::fma(pv::to_float(j < kHalfVectors ? v & 0xf : v >> 4), d(j), m(j));
   }
 };
 
