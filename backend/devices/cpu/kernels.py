@@ -311,7 +311,7 @@ def greedy_head(logits: torch.Tensor, logprobs: bool = True) -> tuple[torch.Tens
 
 
 def packed_gemm_supported() -> bool:
-    """Whether our GEMM runs here: the kernels built, for a CPU with AVX-512 (checked at build time)."""
+    """Whether our GEMM runs here: the kernels built, in a variant with AVX-512 or AVX2 + FMA (fixed at build time)."""
     return load() and bool(torch.ops.tritonllm.packed_gemm_supported())
 
 
@@ -339,7 +339,7 @@ def block_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias:
 
 
 def packed_gemm_bf16_supported() -> bool:
-    """Whether our bfloat16-weight GEMM runs here: AVX-512 with its BF16 dot products (checked at build time)."""
+    """Whether our bfloat16-weight GEMM runs here: the avx512_bf16 variant (AVX-512 BF16 dot products)."""
     return load() and bool(torch.ops.tritonllm.packed_gemm_bf16_supported())
 
 
@@ -363,7 +363,7 @@ def screened_greedy_head(x: torch.Tensor, approx: torch.Tensor, weight: torch.Te
 
 
 def int8_screen_supported() -> bool:
-    """Whether the 8-bit greedy screen runs here: AVX-512 with VNNI (checked at build time)."""
+    """Whether the 8-bit greedy screen runs here: the avx512_bf16 variant (AVX-512 VNNI, fixed at build time)."""
     return load() and bool(torch.ops.tritonllm.int8_screen_supported())
 
 
