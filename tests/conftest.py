@@ -160,9 +160,13 @@ def pytest_terminal_summary(terminalreporter):
     try:
         from tritonllm.devices.cpu import kernels as cpu_kernels
 
-        kernels = ("CPU kernels with " + ("AVX-512" if cpu_kernels.packed_gemm_supported() else "no AVX-512") + ", "
-                   + ("AVX512-BF16" if cpu_kernels.packed_gemm_bf16_supported() else "no AVX512-BF16") + ", "
-                   + ("AVX512-VNNI" if cpu_kernels.int8_screen_supported() else "no AVX512-VNNI"))
+        if cpu_kernels.load():
+            kernels = (f"CPU kernels variant {cpu_kernels.variant()} with "
+                       + ("packed GEMM" if cpu_kernels.packed_gemm_supported() else "no packed GEMM") + ", "
+                       + ("BF16 GEMM" if cpu_kernels.packed_gemm_bf16_supported() else "no BF16 GEMM") + ", "
+                       + ("VNNI screen" if cpu_kernels.int8_screen_supported() else "no VNNI screen"))
+        else:
+            kernels = f"CPU kernels variant {cpu_kernels.variant()} not built ({cpu_kernels.error()})"
     except Exception as exc:  # noqa: BLE001 - a summary line, never a failure
         kernels = f"CPU kernels not loaded ({type(exc).__name__})"
     terminalreporter.write_line(f"machine: {cpu}, {os.cpu_count()} CPUs, {kernels}")

@@ -1,4 +1,5 @@
-"""Our AVX-512 GEMM (csrc/packed_gemm.cpp) against F.linear, and the engine on each `cpu_gemm`."""
+"""Our GEMM on packed panels (csrc/packed_gemm.cpp: AVX-512 or AVX2 + FMA builds) against F.linear, and the engine
+on each `cpu_gemm`."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from tritonllm.devices.cpu.packed_linear import PackedWeight, resolve_cpu_gemm
 pytestmark = pytest.mark.unit
 
 needs_compiler = pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
-avx512 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
-                            reason="kernels built without AVX-512 (this CPU lacks it)")
+# Our panel GEMMs (cpu_gemm=avx512, the parameter's historical name) run on the AVX-512 and the AVX2 (+ FMA)
+# builds of the kernels; the generic build (or TRITONLLM_CPU_ISA=generic) has neither and keeps oneDNN.
+panel_gemm = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
+                                reason="the kernels' build has neither AVX-512 nor AVX2 + FMA (generic variant, "
+                                       "or TRITONLLM_CPU_ISA=generic): no panel GEMM")
 avx512_bf16 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_bf16_supported()),
                                  reason="kernels built without AVX512-BF16 (this CPU lacks it)")
 
@@ -31,7 +35,7 @@ GEMM_SHAPES = [
     (1, 960, 576), (3, 576, 1536), (12, 3072, 576), (13, 100, 576), (40, 5, 7), (64, 96, 576), (200, 96, 576), (0, 64, 64)]
 
 
-@avx512
+@panel_gemm
 @pytest.mark.parametrize("rows,out_features,in_features", GEMM_SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_gemm_equals_f_linear(rows, out_features, in_features, with_bias):
@@ -43,7 +47,7 @@ def test_packed_gemm_equals_f_linear(rows, out_features, in_features, with_bias)
     torch.testing.assert_close(packed(x, bias), F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
 
 
-@avx512
+@panel_gemm
 def test_packed_gemm_keeps_leading_dims_and_reads_strided_input():
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(64, 48, generator=gen)
@@ -53,7 +57,7 @@ def test_packed_gemm_keeps_leading_dims_and_reads_strided_input():
     torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-4, atol=1e-4)
 
 
-@avx512
+@panel_gemm
 def test_a_rows_result_does_not_depend_on_its_batch():
     # The same per-row arithmetic at every row count: a request's logits do not change with who
     # else is in the step (greedy outputs stay reproducible under continuous batching).
@@ -65,7 +69,7 @@ def test_a_rows_result_does_not_depend_on_its_batch():
         assert torch.equal(packed(x[start:end], None), full[start:end])
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("avx512", marks=avx512),
+@pytest.mark.parametrize("kernel", [pytest.param("avx512", marks=panel_gemm),
                                     pytest.param("avx512_bf16", marks=avx512_bf16)])
 def test_the_result_does_not_depend_on_the_thread_count(kernel):
     # The threads claim runs of panels as they go (csrc/claimed_chunks.h): whichever thread computes
@@ -85,7 +89,7 @@ def test_the_result_does_not_depend_on_the_thread_count(kernel):
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("avx512", marks=avx512),
+@pytest.mark.parametrize("kernel", [pytest.param("avx512", marks=panel_gemm),
                                     pytest.param("avx512_bf16", marks=avx512_bf16)])
 def test_packed_gemm_rejects_bad_input(kernel):
     packed = PackedWeight(torch.randn(64, 32), kernel, 64)
@@ -148,7 +152,7 @@ def test_cpu_gemm_falls_back_where_the_kernel_cannot_run():
 
 
 @pytest.mark.engine
-@avx512
+@panel_gemm
 def test_engine_tokens_equal_on_every_cpu_gemm():
     from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine

@@ -8,7 +8,8 @@ file: its decoder linears are Q4_1 and its (tied) embedding and LM head Q8_0. A 
 panel at K = 576 takes 13.8 KB (Q4_1), 20.7 KB (Q8_0) or 36.9 KB (bfloat16) instead of 73.7 KB.
 `find_blocks` recovers the form from the float32 weight and checks that it gives back every value
 bit for bit; where any value does not, the weight stays float32 only. Nothing is rounded: the GEMM
-(csrc/exact_block_gemm.cpp) decodes the same float32 values it would otherwise read.
+(csrc/exact_block_gemm.cpp, on the kernels' AVX-512 and AVX2 builds) decodes the same float32 values it
+would otherwise read.
 """
 
 from __future__ import annotations

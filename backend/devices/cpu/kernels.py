@@ -1,19 +1,26 @@
-"""Our C++ CPU kernels (csrc/), compiled once per checkout on first use and cached.
+"""Our C++ CPU kernels (csrc/), compiled once per checkout and instruction-set variant, cached.
 
 The ops (registered as `torch.ops.tritonllm.*`, wrapped below): paged decode attention reading K/V
 in place from the block pool (paged_decode_attention.cpp); the decoder layer's fused elementwise ops,
 residual add + RMSNorm, rotary + KV write, SiLU * up (fused_decoder_ops.cpp); the greedy head's
-argmax + log-prob in one pass (greedy_head.cpp); on AVX-512 CPUs the GEMM on weights packed once, in
+argmax + log-prob in one pass (greedy_head.cpp); the GEMM on weights packed once, in
 float32 or bfloat16 (packed_gemm.cpp), and on weights that are exactly quantized blocks
 (exact_block_gemm.cpp); the float32 greedy head's argmax through a bfloat16 LM head
 (screened_greedy_head.cpp) or 8-bit dot products (int8_greedy_screen.cpp); and a Llama-family model's decoder layers in one call (decoder_stack.cpp).
 
-torch's JIT extension builder compiles them with the machine's g++ for its own CPU (-march=native)
-into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions), one folder
-per checkout, one process at a time (`_build_lock`); later processes load the cached build.
-`scripts/install.sh` builds them ahead of time so that no server start pays for the compiler. Where
-they cannot be built (no compiler, another OS), `load()` returns False with the reason logged and
-the engine keeps the torch reference path.
+torch's JIT extension builder compiles the same sources once per instruction-set variant (VARIANTS):
+`avx512_bf16` (-march=x86-64-v4 -mavx512vnni -mavx512bf16), `avx512` (-march=x86-64-v4), `avx2`
+(-march=x86-64-v3: AVX2, FMA, F16C, BMI2) and `generic` (the compiler's baseline: x86-64, or armv8-a
+with NEON on aarch64), all with generic tuning, so that one install serves any CPU. At run time a
+process loads one of them (they register the same op names): the best one whose CPU features
+/proc/cpuinfo lists (`choose_variant`; generic on other machines and systems), or the one named by
+TRITONLLM_CPU_ISA (refused with a ValueError if this CPU cannot run it); `variant()` says which, and
+`load()` logs it. Builds go into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
+~/.cache/torch_extensions), one folder per variant and checkout, one process at a time (`_build_lock`);
+later processes load the cached build, and a process builds only its own variant if it is missing.
+`scripts/install.sh` builds every variant ahead of time (`python -m tritonllm.devices.cpu.kernels`) so
+that no server start pays for the compiler. Where they cannot be built (no compiler, another OS),
+`load()` returns False with the reason logged and the engine keeps the torch reference path.
 """
 
 from __future__ import annotations
@@ -22,8 +29,13 @@ import contextlib
 import hashlib
 import logging
 import os
+import platform
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 try:
@@ -41,30 +53,155 @@ _SOURCES = [Path(__file__).parent / "csrc" / name for name in
              "screened_greedy_head.cpp", "int8_greedy_screen.cpp", "exact_block_gemm.cpp", "decoder_stack.cpp")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "ok": bool, "error": str
+_state: dict[str, object] = {}  # "ok": bool, "error": str, "variant": str
+ISA_ENV = "TRITONLLM_CPU_ISA"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the same sources for one instruction-set level: its compiler flags and the
+    /proc/cpuinfo flags a CPU must show to run it (empty: any CPU the compiler targets by default)."""
+
+    name: str
+    cflags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+    x86: bool  # its flags are x86 flags: built and run only on x86-64
+
+
+# What g++ -march=x86-64-v3 / -v4 enable beyond x86-64, as /proc/cpuinfo names them (pni: SSE3,
+# abm: LZCNT, lahf_lm: SAHF; CRC32 comes with sse4_2). Generic tuning: one install serves any CPU.
+_X86_V3 = frozenset({"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm", "avx", "avx2", "bmi1",
+                     "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+VARIANTS: tuple[Variant, ...] = (  # best first
+    Variant("avx512_bf16", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mtune=generic"),
+            _X86_V4 | {"avx512_vnni", "avx512_bf16"}, x86=True),
+    Variant("avx512", ("-march=x86-64-v4", "-mtune=generic"), _X86_V4, x86=True),
+    Variant("avx2", ("-march=x86-64-v3", "-mtune=generic"), _X86_V3, x86=True),
+    Variant("generic", (), frozenset(), x86=False),  # the compiler's baseline: x86-64 (SSE2), armv8-a (NEON)
+)
+_BY_NAME = {v.name: v for v in VARIANTS}
+
+
+def _is_x86(machine: str) -> bool:
+    return machine.lower() in ("x86_64", "amd64")
+
+
+def runnable_variants(cpu_flags: Iterable[str] | None, machine: str) -> list[str]:
+    """The variants a CPU with these /proc/cpuinfo flags (None: unknown) and `platform.machine()`
+    can run, best first; "generic" always."""
+    flags = frozenset(cpu_flags or ())
+    return [v.name for v in VARIANTS
+            if not v.x86 or (_is_x86(machine) and cpu_flags is not None and v.cpu_flags <= flags)]
+
+
+def choose_variant(cpu_flags: Iterable[str] | None, machine: str, requested: str | None = None) -> str:
+    """The variant to run: `requested` (TRITONLLM_CPU_ISA) if given, else the best the CPU can run.
+    Raises ValueError for an unknown name or one this CPU cannot run."""
+    runnable = runnable_variants(cpu_flags, machine)
+    if not requested:
+        return runnable[0]
+    if requested not in _BY_NAME:
+        raise ValueError(f"{ISA_ENV}={requested}: no such CPU kernel variant (one of: {', '.join(_BY_NAME)})")
+    if requested not in runnable:
+        wanted = _BY_NAME[requested]
+        if not _is_x86(machine):
+            why = f"it is built for x86-64 and this is {machine or 'an unknown machine'}"
+        elif cpu_flags is None:
+            why = "this CPU's flags are unknown (no /proc/cpuinfo)"
+        else:
+            why = f"this CPU lacks {', '.join(sorted(wanted.cpu_flags - frozenset(cpu_flags)))}"
+        raise ValueError(f"{ISA_ENV}={requested}: {why}; this CPU can run: {', '.join(runnable)}")
+    return requested
+
+
+def _cpu_flags() -> frozenset[str] | None:
+    """The CPU's flags from /proc/cpuinfo (Linux; the kernel lists AVX/AVX-512 only when it saves
+    their registers), None where there is no such file."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def variant() -> str:
+    """The kernel variant this process runs (or will run at `load()`): TRITONLLM_CPU_ISA if set
+    (ValueError if the CPU cannot run it), else the best one the CPU can run."""
+    if "variant" in _state:
+        return _state["variant"]  # type: ignore[return-value]
+    return choose_variant(_cpu_flags(), platform.machine(), os.environ.get(ISA_ENV) or None)
 
 
 def load() -> bool:
-    """Build (first time on this machine) and register `torch.ops.tritonllm.*`; False if impossible."""
+    """Build (first time on this machine) this CPU's variant and register `torch.ops.tritonllm.*`;
+    False if impossible. Raises ValueError if TRITONLLM_CPU_ISA names a variant this CPU cannot run.
+    One variant per process: they all register the same op names."""
     with _lock:
         if "ok" not in _state:
+            name = variant()
             try:
                 from torch.utils.cpp_extension import load as load_extension
 
                 _put_ninja_on_path()
-                build_dir = _build_directory()
+                build_dir = _build_directory(name)
                 with _build_lock(build_dir):
-                    # The objects use the OpenMP runtime torch already loaded (same soname, libgomp.so.1):
-                    # one thread pool per process, as the rest of the engine needs (engine/engine_loop.py).
-                    load_extension(name=_NAME, sources=[str(s) for s in _SOURCES], build_directory=str(build_dir),
-                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", _headers_flag()],
-                                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                    load_extension(**_extension_args(name, build_dir), is_python_module=False, verbose=False)
                 _state["ok"] = True
+                _state["variant"] = name
+                logger.info("CPU kernels: the %s variant (%s)", name, " ".join(_BY_NAME[name].cflags) or "no -march")
             except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
                 _state["ok"] = False
                 _state["error"] = f"{type(exc).__name__}: {exc}"
-                logger.warning("CPU kernels unavailable, using the torch attention path: %s", _state["error"])
+                logger.warning("CPU kernels (%s variant) unavailable, using the torch attention path: %s", name,
+                               _state["error"])
         return bool(_state["ok"])
+
+
+def _extension_args(name: str, build_dir: Path) -> dict:
+    """torch's builder arguments for one variant: its own extension name (so its own .so) and folder."""
+    # The objects use the OpenMP runtime torch already loaded (same soname, libgomp.so.1):
+    # one thread pool per process, as the rest of the engine needs (engine/engine_loop.py).
+    return dict(name=f"{_NAME}_{name}", sources=[str(s) for s in _SOURCES], build_directory=str(build_dir),
+                extra_cflags=["-O3", *_BY_NAME[name].cflags, "-ffast-math", "-fopenmp", _headers_flag()],
+                extra_ldflags=["-fopenmp"])
+
+
+def _compiler() -> str:
+    try:
+        from torch.utils.cpp_extension import get_cxx_compiler
+        return get_cxx_compiler()
+    except ImportError:
+        return os.environ.get("CXX", "c++")
+
+
+def compiler_targets(name: str) -> bool:
+    """Whether the C++ compiler accepts this variant's flags (an aarch64 g++ takes no -march=x86-64-v4)."""
+    try:
+        done = subprocess.run([_compiler(), *_BY_NAME[name].cflags, "-x", "c++", "-E", "-o", os.devnull, "-"],
+                              input="", capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def build(name: str) -> None:
+    """Compile one variant into its folder without loading it (this CPU need not run it), under the
+    same locks as `load()`; a cached, current build costs a ninja no-op."""
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    build_dir = _build_directory(name)
+    args = _extension_args(name, build_dir)
+    with _build_lock(build_dir):
+        # torch's builder has no public build-without-load; this is the step `load()` runs before loading.
+        cpp_extension._write_ninja_file_and_build_library(
+            name=args["name"], sources=args["sources"], extra_cflags=args["extra_cflags"], extra_cuda_cflags=[],
+            extra_sycl_cflags=[], extra_ldflags=args["extra_ldflags"], extra_include_paths=[],
+            build_directory=args["build_directory"], verbose=False, with_cuda=False, with_sycl=False)
 
 
 def _headers_flag() -> str:
@@ -74,12 +211,13 @@ def _headers_flag() -> str:
     return f"-DTRITONLLM_HEADERS_DIGEST={digest}"
 
 
-def _build_directory() -> Path:
-    """Where torch's builder keeps this extension (TORCH_EXTENSIONS_DIR or its default root): one
-    folder per checkout. torch's builder rebuilds whenever the source paths differ from the last
-    build's, so two checkouts (or installs) sharing one folder would recompile each other's build at
-    every server start."""
-    folder = f"{_NAME}-{hashlib.sha256(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:12]}"
+def _build_directory(name: str | None = None) -> Path:
+    """Where torch's builder keeps a variant (default: this process's) of this extension
+    (TORCH_EXTENSIONS_DIR or its default root): one folder per variant and checkout. torch's builder
+    rebuilds whenever the source paths or flags differ from the last build's, so two checkouts (or
+    installs, or variants) sharing one folder would recompile each other's build at every server start."""
+    name = name or variant()
+    folder = f"{_NAME}_{name}-{hashlib.sha256(str(_SOURCES[0].parent.resolve()).encode()).hexdigest()[:12]}"
     try:
         from torch.utils.cpp_extension import _get_build_directory
         return Path(_get_build_directory(folder, verbose=False))
@@ -173,7 +311,7 @@ def greedy_head(logits: torch.Tensor, logprobs: bool = True) -> tuple[torch.Tens
 
 
 def packed_gemm_supported() -> bool:
-    """Whether our GEMM runs here: the kernels built, for a CPU with AVX-512 (checked at build time)."""
+    """Whether our GEMM runs here: the kernels built, in a variant with AVX-512 or AVX2 + FMA (fixed at build time)."""
     return load() and bool(torch.ops.tritonllm.packed_gemm_supported())
 
 
@@ -201,7 +339,7 @@ def block_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias:
 
 
 def packed_gemm_bf16_supported() -> bool:
-    """Whether our bfloat16-weight GEMM runs here: AVX-512 with its BF16 dot products (checked at build time)."""
+    """Whether our bfloat16-weight GEMM runs here: the avx512_bf16 variant (AVX-512 BF16 dot products)."""
     return load() and bool(torch.ops.tritonllm.packed_gemm_bf16_supported())
 
 
@@ -225,7 +363,7 @@ def screened_greedy_head(x: torch.Tensor, approx: torch.Tensor, weight: torch.Te
 
 
 def int8_screen_supported() -> bool:
-    """Whether the 8-bit greedy screen runs here: AVX-512 with VNNI (checked at build time)."""
+    """Whether the 8-bit greedy screen runs here: the avx512_bf16 variant (AVX-512 VNNI, fixed at build time)."""
     return load() and bool(torch.ops.tritonllm.int8_screen_supported())
 
 
@@ -237,10 +375,25 @@ def int8_greedy_screen(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, ne
 
 
 def main() -> None:
-    """`python -m tritonllm.devices.cpu.kernels`: build now (install time) and say whether it worked."""
+    """`python -m tritonllm.devices.cpu.kernels`: build every variant the compiler can target, one
+    after another (install time: one install then serves any CPU), load this CPU's, say whether it
+    worked. With `--this-cpu`: only load (building if needed) the variant this process runs."""
     logging.basicConfig(level=logging.INFO)
+    built = []
+    for v in () if "--this-cpu" in sys.argv[1:] else VARIANTS:
+        if v.x86 and not compiler_targets(v.name):
+            logger.info("CPU kernels: the compiler does not target the %s variant; skipped", v.name)
+            continue
+        start = time.perf_counter()
+        try:
+            build(v.name)
+        except Exception as exc:  # noqa: BLE001 - another variant may still build; load() reports this CPU's
+            logger.warning("CPU kernels: the %s variant did not build: %s: %s", v.name, type(exc).__name__, exc)
+            continue
+        built.append(f"{v.name} {time.perf_counter() - start:.1f} s")
     ok = load()
-    print("tritonllm CPU kernels:", "ready" if ok else f"unavailable ({error()})")
+    print("tritonllm CPU kernels:", f"ready, variant {variant()}" if ok else f"unavailable ({error()})",
+          f"(built: {', '.join(built) or 'none'})", file=sys.stdout)
 
 
 if __name__ == "__main__":

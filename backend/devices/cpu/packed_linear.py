@@ -4,7 +4,9 @@
 the GEMMs are most of a step, and a weight packed once into a kernel's own layout streams straight
 into its FMAs (docs/PERFORMANCE.md has what each kernel gives):
 - `avx512`: our kernel (csrc/packed_gemm.cpp) on 32-column panels streamed once per call, float32,
-  CPUs with AVX-512 (elsewhere oneDNN). With `exact_blocks`, a weight that is exactly quantized
+  on the kernels' AVX-512 and AVX2 (+ FMA) builds alike (elsewhere oneDNN; the name is historical and
+  kept, config.pbtxt files use it: it means "our panel kernel", whichever of the two widths this CPU's
+  build has, with the same results bit for bit on both). With `exact_blocks`, a weight that is exactly quantized
   blocks (exact_blocks.py: what a GGUF Q4_1 or Q8_0 file dequantises to) or bfloat16 values also
   keeps that form, and GEMMs of up to `blocks_max_rows` rows read it instead
   (csrc/exact_block_gemm.cpp): the same float32 values decoded in registers, so the same results
@@ -38,7 +40,8 @@ def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def resolve_cpu_gemm(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     """The GEMM kernel the linears get for `cpu_gemm=requested`: the request, or the next one down
-    (avx512_bf16 -> avx512 -> onednn -> aten) where it cannot run on this device, dtype, CPU or torch build."""
+    (avx512_bf16 -> avx512 -> onednn -> aten) where it cannot run on this device, dtype, CPU or torch build.
+    `avx512` is our panel kernel on the AVX-512 or the AVX2 build of the kernels (packed_gemm_supported)."""
     if device.type != "cpu":
         return "aten"
     if requested == "avx512_bf16" and dtype == torch.float32 and cpu_kernels.packed_gemm_bf16_supported():

@@ -17,6 +17,11 @@
 // rounding is fl(fl(d * q) + m). Q8_0 decodes as fl(d * q), with an explicit-rounding multiply that
 // the compiler cannot fuse with anything.
 //
+// The same source builds for AVX-512 and AVX2 + FMA (panel_vectors.h); on either, the results equal
+// packed_gemm's on that build, and the two builds give the same bits. On AVX2 (16 registers) the
+// microkernel broadcasts its rows' x first and decodes one vector of 8 columns at a time, straight
+// into their FMAs; the sums are the same chains in the same order.
+//
 // Layout per 32-column panel (the last one zero-padded; zero codes and scales decode to 0.0):
 //   Q4_1: codes [K, 16] uint8, byte j of a k step = column j (low nibble) | column j + 16 (high);
 //         scales [K / 32, 2, 32] float32, a block's d for the 32 columns, then its m.
@@ -29,24 +34,27 @@
 
 #include "block_gemm_call.h"
 #include "claimed_chunks.h"
+#include "panel_vectors.h"
 #include "row_blocks.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <array>
 #include <tuple>
+#include <utility>
 #include <vector>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
-constexpr int64_t kPanel = 32;           // output columns per panel (two zmm)
+constexpr int64_t kPanel = 32;           // output columns per panel (two zmm, four ymm)
 constexpr int64_t kBlock = 32;           // k values sharing one scale (and one min)
+#if TRITONLLM_PANEL_GEMM && !defined(__AVX512F__)
+constexpr int kMaxRows = 3;              // rows per microkernel call on AVX2 (packed_gemm.cpp's MR; 2 measured slower)
+#else
 constexpr int kMaxRows = 12;             // rows per microkernel call
+#endif
 constexpr int64_t kClaimsPerThread = 8;  // panel runs each thread claims (claimed_chunks.h)
 // The first row block of a panel pulls its codes (and scales) this far ahead into L1, so codes coming
 // from DRAM arrive before the FMAs need them (the distances tried are in docs/HISTORY.md).
@@ -124,64 +132,68 @@ std::tuple<at::Tensor, at::Tensor> pack_block_weight(const at::Tensor& q_in, con
   return {codes, scales};
 }
 
-#if defined(__AVX512F__)
+#if TRITONLLM_PANEL_GEMM
 
-constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+namespace pv = tritonllm::panel;
+using pv::vf;
+using pv::vi;
+constexpr int V = pv::kPanelVectors;     // vectors per k step of a panel
+constexpr int kHalfVectors = 16 / pv::VL;  // vectors per 16 columns
 
-// A format decodes one k step of a panel into the two zmm of its 32 float32 weights.
+// A format decodes one k step of a panel into the V vectors of its 32 float32 weights.
 struct Q4Blocks {
   static constexpr int64_t kCodeBytes = kPanel / 2, kScaleFloats = 2 * kPanel;
-  __m512 d0, d1, m0, m1;
+#if TRITONLLM_PANEL_VL == 16
+  vf d_[V], m_[V];  // the block's d and m in registers: 32 zmm have room
   void block(const float* s) {
-    d0 = _mm512_loadu_ps(s), d1 = _mm512_loadu_ps(s + 16);
-    m0 = _mm512_loadu_ps(s + kPanel), m1 = _mm512_loadu_ps(s + kPanel + 16);
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) d_[j] = pv::load(s + j * pv::VL), m_[j] = pv::load(s + kPanel + j * pv::VL);
   }
-  void decode(const uint8_t* c, __m512& b0, __m512& b1) const {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xf)));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-    b0 = _mm512_fmadd_ps(q0, d0, m0);  // d * q is exact (pack_block_weight checks), so one rounding is both
-    b1 = _mm512_fmadd_ps(q1, d1, m1);
+  vf d(int j) const { return d_[j]; }
+  vf m(int j) const { return m_[j]; }
+#else
+  const float* s_;  // AVX2: d and m read from L1 at each use, so the 16 ymm hold the sums (measured faster)
+  void block(const float* s) { s_ = s; }
+  vf d(int j) const { return pv::load(s_ + j * pv::VL); }
+  vf m(int j) const { return pv::load(s_ + kPanel + j * pv::VL); }
+#endif
+  // Vector j: columns 16 (j / H) + VL (j % H) .., bytes VL (j % H) .. (H = 16 / VL): low nibbles for the
+  // first 16 columns, high for the next 16.
+  vf decode(const uint8_t* c, int j) const {
+    const vi v = pv::widen_u8(c + (j % kHalfVectors) * pv::VL);
+    // d * q is exact (pack_block_weight checks), so one rounding is both
+    return pv::fma(pv::to_float(j < kHalfVectors ? v & 0xf : v >> 4), d(j), m(j));
   }
 };
 
 struct Q8Blocks {
   static constexpr int64_t kCodeBytes = kPanel, kScaleFloats = kPanel;
-  __m512 d0, d1;
-  void block(const float* s) { d0 = _mm512_loadu_ps(s), d1 = _mm512_loadu_ps(s + 16); }
-  void decode(const uint8_t* c, __m512& b0, __m512& b1) const {
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16))));
-    b0 = _mm512_mul_round_ps(q0, d0, kRound);
-    b1 = _mm512_mul_round_ps(q1, d1, kRound);
+  vf d[V];
+  void block(const float* s) {
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) d[j] = pv::load(s + j * pv::VL);
   }
+  vf decode(const uint8_t* c, int j) const { return pv::mul_rounded(pv::to_float(pv::widen_s8(c + j * pv::VL)), d[j]); }
 };
 
 // bfloat16 values (a bfloat16 checkpoint loaded as float32): widening is exact, so no rounding at all.
 struct Bf16Values {
   static constexpr int64_t kCodeBytes = 2 * kPanel, kScaleFloats = 0;
   void block(const float*) {}
-  void decode(const uint8_t* c, __m512& b0, __m512& b1) const {
-    const __m512i v = _mm512_loadu_si512(c);
-    b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-    b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-  }
+  vf decode(const uint8_t* c, int j) const { return pv::widen_bf16(c + j * 2 * pv::VL); }
 };
 
 // A panel some earlier row block already decoded (run_panels' `decoded`): its float32 weights, 32 a k step.
 struct DecodedPanel {
   static constexpr int64_t kCodeBytes = kPanel * 4, kScaleFloats = 0;
   void block(const float*) {}
-  void decode(const uint8_t* c, __m512& b0, __m512& b1) const {
-    b0 = _mm512_loadu_ps(reinterpret_cast<const float*>(c));
-    b1 = _mm512_loadu_ps(reinterpret_cast<const float*>(c) + 16);
-  }
+  vf decode(const uint8_t* c, int j) const { return pv::load(reinterpret_cast<const float*>(c) + j * pv::VL); }
 };
 
 // y[0..R) x [0..32 P) = x[0..R) . P consecutive full panels (+ bias), packed_gemm's arithmetic on
 // decoded weights. Each output's sum is one chain of FMAs in k order, 4 cycles apart (the FMA's latency):
 // a row block needs several chains in flight to keep the FMA pipes busy, which one row over one panel
-// (2 chains) does not have, so one row takes kOneRowPanels panels at once; every chain keeps its own k
+// (V chains) may not have, so one row takes kOneRowPanels panels at once; every chain keeps its own k
 // order, so the results stay the same bit for bit.
 // `keep` (P = 1): also store each k step's decoded weights there ([k, 32] float32) for the panel's later
 // row blocks. Panel q of the P starts at codes + q * code_stride and scales + q * scale_stride.
@@ -191,17 +203,15 @@ void microkernel(const float* x, int64_t ldx, const uint8_t* codes, const float*
   constexpr int64_t kBlockBytes = kBlock * Format::kCodeBytes, kLineSteps = 64 / Format::kCodeBytes;
   constexpr int64_t kAhead = (kPrefetchBytes + kBlockBytes - 1) / kBlockBytes;  // in blocks
   const int64_t code_stride = k * Format::kCodeBytes, scale_stride = (k / kBlock) * Format::kScaleFloats;
-  __m512 acc0[P][R], acc1[P][R];
+  vf acc[P][R][V];
 #pragma GCC unroll 4
-  for (int q = 0; q < P; ++q) {
-    const __m512 init0 = bias ? _mm512_loadu_ps(bias + q * kPanel) : _mm512_setzero_ps();
-    const __m512 init1 = bias ? _mm512_loadu_ps(bias + q * kPanel + 16) : _mm512_setzero_ps();
+  for (int q = 0; q < P; ++q)
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) {
+      const vf init = bias ? pv::load(bias + q * kPanel + j * pv::VL) : pv::zero();
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      acc0[q][r] = init0;
-      acc1[q][r] = init1;
+      for (int r = 0; r < R; ++r) acc[q][r][j] = init;
     }
-  }
   Format format[P];
   for (int64_t blk = 0; blk < k / kBlock; ++blk) {
 #pragma GCC unroll 4
@@ -210,53 +220,67 @@ void microkernel(const float* x, int64_t ldx, const uint8_t* codes, const float*
       format[q].block(qs + blk * Format::kScaleFloats);
       if (prefetch)
         for (int64_t line = 0; line < Format::kScaleFloats * 4; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(qs + (blk + kAhead) * Format::kScaleFloats) + line, _MM_HINT_T0);
+          pv::prefetch(reinterpret_cast<const char*>(qs + (blk + kAhead) * Format::kScaleFloats) + line);
     }
     for (int64_t i = blk * kBlock; i < (blk + 1) * kBlock; ++i) {
-      __m512 b0[P], b1[P];
 #pragma GCC unroll 4
-      for (int q = 0; q < P; ++q) {
-        const uint8_t* qc = codes + q * code_stride;
+      for (int q = 0; q < P; ++q)
         if (prefetch && (i % kLineSteps) == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(qc + (blk + kAhead) * kBlockBytes + (i - blk * kBlock) * Format::kCodeBytes),
-                       _MM_HINT_T0);
-        format[q].decode(qc + i * Format::kCodeBytes, b0[q], b1[q]);
-      }
-      if (P == 1 && keep) {
-        _mm512_storeu_ps(keep + i * kPanel, b0[0]);
-        _mm512_storeu_ps(keep + i * kPanel + 16, b1[0]);
-      }
-#pragma GCC unroll 12
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(x[r * ldx + i]);
+          pv::prefetch(codes + q * code_stride + (blk + kAhead) * kBlockBytes + (i - blk * kBlock) * Format::kCodeBytes);
+      if constexpr (V <= 2) {  // AVX-512: the step's vectors decoded, then R rows' FMAs, one broadcast at a time
+        vf b[P][V];
 #pragma GCC unroll 4
-        for (int q = 0; q < P; ++q) {
-          acc0[q][r] = _mm512_fmadd_ps(a, b0[q], acc0[q][r]);
-          acc1[q][r] = _mm512_fmadd_ps(a, b1[q], acc1[q][r]);
+        for (int q = 0; q < P; ++q)
+#pragma GCC unroll 4
+          for (int j = 0; j < V; ++j) b[q][j] = format[q].decode(codes + q * code_stride + i * Format::kCodeBytes, j);
+        if (P == 1 && keep)
+#pragma GCC unroll 4
+          for (int j = 0; j < V; ++j) pv::store(keep + i * kPanel + j * pv::VL, b[0][j]);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+          const vf a = pv::splat(x[r * ldx + i]);
+#pragma GCC unroll 4
+          for (int q = 0; q < P; ++q)
+#pragma GCC unroll 4
+            for (int j = 0; j < V; ++j) acc[q][r][j] = pv::fma(a, b[q][j], acc[q][r][j]);
         }
+      } else {  // AVX2 (16 ymm): R broadcasts, then one decoded vector at a time into R rows' FMAs
+        vf a[R];
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) a[r] = pv::splat(x[r * ldx + i]);
+#pragma GCC unroll 4
+        for (int q = 0; q < P; ++q)
+#pragma GCC unroll 4
+          for (int j = 0; j < V; ++j) {
+            const vf b = format[q].decode(codes + q * code_stride + i * Format::kCodeBytes, j);
+            if (P == 1 && keep) pv::store(keep + i * kPanel + j * pv::VL, b);
+#pragma GCC unroll 12
+            for (int r = 0; r < R; ++r) acc[q][r][j] = pv::fma(a[r], b, acc[q][r][j]);
+          }
       }
     }
   }
 #pragma GCC unroll 4
   for (int q = 0; q < P; ++q)
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(y + r * ldy + q * kPanel, acc0[q][r]);
-      _mm512_storeu_ps(y + r * ldy + q * kPanel + 16, acc1[q][r]);
-    }
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) pv::store(y + r * ldy + q * kPanel + j * pv::VL, acc[q][r][j]);
 }
 
 using Microkernel = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t, const float*, bool,
                              float*);
+template <typename F, int... R>
+constexpr std::array<Microkernel, kMaxRows + 1> microkernel_table(std::integer_sequence<int, R...>) {
+  return {nullptr, &microkernel<F, R + 1>...};
+}
 template <typename F>
-constexpr Microkernel kMicrokernels[kMaxRows + 1] = {
-    nullptr, &microkernel<F, 1>, &microkernel<F, 2>, &microkernel<F, 3>, &microkernel<F, 4>, &microkernel<F, 5>,
-    &microkernel<F, 6>, &microkernel<F, 7>, &microkernel<F, 8>, &microkernel<F, 9>, &microkernel<F, 10>,
-    &microkernel<F, 11>, &microkernel<F, 12>};
+constexpr auto kMicrokernels = microkernel_table<F>(std::make_integer_sequence<int, kMaxRows>{});
 
 
 // One row takes two panels per microkernel call (see microkernel): two independent FMA chains per
-// column vector instead of one hide the FMA latency that a single row cannot (docs/HISTORY.md).
+// column vector instead of one hide the FMA latency that a single row cannot (docs/HISTORY.md). On AVX2
+// too (4 vectors a panel): [1,576]x[576,1536] Q4_1, 1 thread, 0.043 ms with one panel, 0.038 with two.
 constexpr int64_t kOneRowPanels = 2;
 
 // The threads claim runs of panels. A panel's first block of up to kMaxRows rows decodes it in
@@ -312,7 +336,7 @@ void run_panels(const float* xp, int64_t k, const uint8_t* codes, const float* s
 
 at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& bias_in, int64_t out_features) {
-#if defined(__AVX512F__)
+#if TRITONLLM_PANEL_GEMM
   const tritonllm::BlockGemmCall call("block_gemm", x_in, codes, scales, bias_in, out_features);
   call.by_format<Q4Blocks, Q8Blocks, Bf16Values>([&](auto format) {
     run_panels<decltype(format)>(call.x.data_ptr<float>(), call.k, call.codes, call.scales, call.panels, call.m,
@@ -320,7 +344,7 @@ at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at:
   });
   return call.result();
 #else
-  TORCH_CHECK(false, "block_gemm: built without AVX-512");
+  TORCH_CHECK(false, "block_gemm: built without AVX-512 or AVX2 + FMA");
 #endif
 }
 

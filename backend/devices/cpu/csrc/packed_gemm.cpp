@@ -1,4 +1,4 @@
-// Our float32 GEMM for the decoder's linears on AVX-512 CPUs: y[M, N] = x[M, K] @ W[N, K]^T + bias.
+// Our float32 GEMM for the decoder's linears on AVX-512 and AVX2 (+ FMA) CPUs: y[M, N] = x[M, K] @ W[N, K]^T + bias.
 //
 // Why not oneDNN: at the row counts a continuous batcher runs (1-64 rows per step) a step's GEMMs
 // stream every weight from memory once, and oneDNN pays for that stream on top of the arithmetic.
@@ -7,13 +7,15 @@
 // arithmetic; the gain is largest at few rows and gone by prefill sizes (docs/PERFORMANCE.md).
 //
 // Layout: the weight is packed once into panels of NR = 32 output columns, each panel [K, 32]
-// contiguous (the last one zero-padded). The microkernel holds an MR x 32 block of y in 2 * MR zmm
-// accumulators (MR <= 12: 24 of the 32 registers), and per k loads the panel's two vectors and
-// broadcasts one x value per row. The threads claim runs of panels as they go (about 8 runs each per
-// row chunk; claimed_chunks.h), so each streams a contiguous part of the weight and a thread the OS
+// contiguous (the last one zero-padded), the same bytes on every build. One source serves both
+// widths (panel_vectors.h: VL = 16 floats on AVX-512, 8 on AVX2): a panel's k step is 32 / VL vectors.
+// The microkernel holds an MR x 32 block of y in accumulators (AVX-512: MR <= 12, 24 of the 32 zmm;
+// AVX2: MR <= 3, 12 of the 16 ymm, the rest for 3 broadcasts and one panel vector at a time), and
+// per k loads the panel's vectors and broadcasts one x value per row. The threads claim runs of
+// panels as they go (about 8 runs each per row chunk; claimed_chunks.h), so each streams a contiguous part of the weight and a thread the OS
 // pauses does not hold up the GEMM; rows are taken in chunks whose x slice stays in L2, which only
 // matters for prefill-sized M. Sums run in k order, one FMA per product, so a row's result does
-// not depend on the batch it runs in.
+// not depend on the batch it runs in, nor on the build (AVX2 and AVX-512 give the same bits).
 //
 // bfloat16 weights (`cpu_gemm=avx512_bf16`, opt-in because it changes results): the same panels
 // with the weight rounded to bfloat16 and k taken in pairs, [ceil(K / 2), 32, 2], so one zmm holds
@@ -21,43 +23,40 @@
 // a pair into float32 accumulators: half the weight bytes and twice the products per instruction.
 // Everything else in the model stays float32; only the GEMM inputs are rounded.
 //
-// Without AVX-512 at build time the ops exist but `packed_gemm_supported()` is false and the
-// engine keeps oneDNN (devices/cpu/packed_linear.py); likewise `packed_gemm_bf16_supported()` without
-// AVX512-BF16, and the engine keeps the float32 kernel.
+// Without AVX-512 or AVX2 + FMA at build time (the generic build) the ops exist but
+// `packed_gemm_supported()` is false and the engine keeps oneDNN (devices/cpu/packed_linear.py);
+// likewise `packed_gemm_bf16_supported()` without AVX512-BF16, and the engine keeps the float32 kernel.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "claimed_chunks.h"
+#include "panel_vectors.h"
 #include "row_blocks.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
-constexpr int64_t kPanel = 32;                 // NR: output columns per panel (two zmm)
-constexpr int kMaxRows = 12;                   // MR: rows per microkernel call
+constexpr int64_t kPanel = 32;                 // NR: output columns per panel (two zmm, four ymm)
+#if TRITONLLM_PANEL_GEMM && !defined(__AVX512F__)
+constexpr int kMaxRows = 3;                    // MR on AVX2: 3 x 4 accumulators + the loads in 16 ymm
+#else
+constexpr int kMaxRows = 12;                   // MR: rows per microkernel call (24 of the 32 zmm)
+#endif
 constexpr int64_t kRowChunkBytes = 384 << 10;  // x rows per chunk: this many bytes of x (L2-resident)
 // Software prefetch distance in panel rows (4 KiB): far enough ahead to cover DRAM latency on the first
 // row block's pass, near enough to stay in L1 (the distances tried are in docs/HISTORY.md).
 constexpr int64_t kPrefetchRows = 32;
 constexpr int64_t kClaimsPerThread = 8;        // panel runs each thread claims per row chunk (claimed_chunks.h)
 
-bool packed_gemm_supported() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
+bool packed_gemm_supported() { return TRITONLLM_PANEL_GEMM; }
 
 bool packed_gemm_bf16_supported() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -106,32 +105,37 @@ at::Tensor pack_gemm_weight_bf16(const at::Tensor& weight_in) {
   return packed;
 }
 
-#if defined(__AVX512F__)
+#if TRITONLLM_PANEL_GEMM
+
+using tritonllm::panel::vf;
 
 // The two panel formats, as the microkernel sees them: a k step of a panel is 128 bytes, 32
-// columns of one k (float32) or of a k pair (bfloat16); `broadcast` spreads a row's x for that step.
+// columns of one k (float32) or of a k pair (bfloat16), in kVectors registers; `broadcast` spreads a
+// row's x for that step.
 struct Float32Panels {
   using Elem = float;
-  using Weights = __m512;
+  using Weights = vf;
+  static constexpr int kVectors = tritonllm::panel::kPanelVectors;
   static constexpr int64_t kStep = kPanel;  // elements per k step
-  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-  static __m512 broadcast(const float* x) { return _mm512_set1_ps(*x); }
-  static __m512 madd(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+  static vf load(const float* p, int j) { return tritonllm::panel::load(p + j * tritonllm::panel::VL); }
+  static vf broadcast(const float* x) { return tritonllm::panel::splat(*x); }
+  static vf madd(vf acc, vf a, vf b) { return tritonllm::panel::fma(a, b, acc); }
 };
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 struct Bf16PairPanels {
   using Elem = at::BFloat16;
   using Weights = __m512bh;
+  static constexpr int kVectors = 2;
   static constexpr int64_t kStep = kPanel * 2;
-  static __m512bh load(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512bh load(const at::BFloat16* p, int j) { return (__m512bh)_mm512_loadu_si512(p + j * kPanel); }
   static __m512bh broadcast(const at::BFloat16* x) {  // the pair (x[2i], x[2i + 1]) in every 32-bit lane
     int32_t pair;
     __builtin_memcpy(&pair, x, sizeof pair);
     return (__m512bh)_mm512_set1_epi32(pair);
   }
   // Both products of the pair into each column's float32 sum.
-  static __m512 madd(__m512 acc, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(acc, a, b); }
+  static vf madd(vf acc, __m512bh a, __m512bh b) { return (vf)_mm512_dpbf16_ps((__m512)acc, a, b); }
 };
 #endif
 
@@ -140,44 +144,58 @@ struct Bf16PairPanels {
 template <typename Format, int R>
 void microkernel(const typename Format::Elem* x, int64_t ldx, const typename Format::Elem* panel, int64_t steps,
                  float* y, int64_t ldy, const float* bias, bool prefetch) {
+  namespace pv = tritonllm::panel;
+  constexpr int V = pv::kPanelVectors, W = Format::kVectors;
   constexpr int64_t kStep = Format::kStep, kXPerStep = kStep / kPanel;
-  __m512 acc0[R], acc1[R];
-  const __m512 init0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  const __m512 init1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  vf acc[R][V];
+  vf init[V];
+#pragma GCC unroll 4
+  for (int j = 0; j < V; ++j) init[j] = bias ? pv::load(bias + j * pv::VL) : pv::zero();
 #pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
-    acc0[r] = init0;
-    acc1[r] = init1;
-  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) acc[r][j] = init[j];
   for (int64_t i = 0; i < steps; ++i) {
     const typename Format::Elem* b = panel + i * kStep;
-    const typename Format::Weights b0 = Format::load(b), b1 = Format::load(b + kStep / 2);
-    if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchRows * kStep), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchRows * kStep + kStep / 2), _MM_HINT_T0);
+    typename Format::Weights w[W];
+#pragma GCC unroll 4
+    for (int j = 0; j < W; ++j) w[j] = Format::load(b, j);
+    if (prefetch) {  // the step's two cache lines
+      pv::prefetch(b + kPrefetchRows * kStep);
+      pv::prefetch(b + kPrefetchRows * kStep + kStep / 2);
     }
+    if constexpr (V <= 2) {  // AVX-512: 2 R accumulators, the step's 2 vectors and one broadcast in 32 zmm
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      const auto a = Format::broadcast(x + r * ldx + i * kXPerStep);
-      acc0[r] = Format::madd(acc0[r], a, b0);
-      acc1[r] = Format::madd(acc1[r], a, b1);
+      for (int r = 0; r < R; ++r) {
+        const auto a = Format::broadcast(x + r * ldx + i * kXPerStep);
+#pragma GCC unroll 4
+        for (int j = 0; j < V; ++j) acc[r][j] = Format::madd(acc[r][j], a, w[j]);
+      }
+    } else {  // AVX2: 4 R accumulators, R broadcasts and one vector at a time in 16 ymm (3 rows: all 16)
+      typename Format::Weights a[R];
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) a[r] = Format::broadcast(x + r * ldx + i * kXPerStep);
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j)
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) acc[r][j] = Format::madd(acc[r][j], a[r], w[j]);
     }
   }
 #pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(y + r * ldy, acc0[r]);
-    _mm512_storeu_ps(y + r * ldy + 16, acc1[r]);
-  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) pv::store(y + r * ldy + j * pv::VL, acc[r][j]);
 }
 
 template <typename Elem>
 using Microkernel = void (*)(const Elem*, int64_t, const Elem*, int64_t, float*, int64_t, const float*, bool);
 // Indexed by the row count of the block (1 .. kMaxRows): the tails of M use their own unrolling.
+template <typename F, int... R>
+constexpr std::array<Microkernel<typename F::Elem>, kMaxRows + 1> microkernel_table(std::integer_sequence<int, R...>) {
+  return {nullptr, &microkernel<F, R + 1>...};
+}
 template <typename F>
-constexpr Microkernel<typename F::Elem> kMicrokernels[kMaxRows + 1] = {
-    nullptr, &microkernel<F, 1>, &microkernel<F, 2>, &microkernel<F, 3>, &microkernel<F, 4>, &microkernel<F, 5>,
-    &microkernel<F, 6>, &microkernel<F, 7>, &microkernel<F, 8>, &microkernel<F, 9>, &microkernel<F, 10>,
-    &microkernel<F, 11>, &microkernel<F, 12>};
+constexpr auto kMicrokernels = microkernel_table<F>(std::make_integer_sequence<int, kMaxRows>{});
 
 // y [m, n] = x [m, K] . panels: the threads claim runs of panels, rows go in chunks whose
 // x stays in L2, split evenly into blocks of up to kMaxRows rows (row_blocks.h), each one microkernel
@@ -185,7 +203,7 @@ constexpr Microkernel<typename F::Elem> kMicrokernels[kMaxRows + 1] = {
 // `steps` is K (float32) or K / 2 (bfloat16 pairs); `ldx` is x's row stride in elements.
 template <typename Elem>
 void run_panels(const Elem* xp, int64_t ldx, const Elem* wp, int64_t steps, int64_t panels, int64_t m, int64_t n,
-                const float* bias, float* yp, const Microkernel<Elem>* microkernels) {
+                const float* bias, float* yp, const std::array<Microkernel<Elem>, kMaxRows + 1>& microkernels) {
   const int64_t panel_elems = steps * kPanel * (4 / sizeof(Elem));
   const int64_t chunk = std::max<int64_t>(kMaxRows, kRowChunkBytes / (std::max<int64_t>(ldx, 1) * sizeof(Elem)) /
                                                         kMaxRows * kMaxRows);
@@ -244,7 +262,7 @@ std::vector<int64_t> out_shape(const at::Tensor& x_in, int64_t n) {
 
 at::Tensor packed_gemm(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias_in,
                        int64_t out_features) {
-  TORCH_CHECK(packed_gemm_supported(), "packed_gemm: built without AVX-512");
+  TORCH_CHECK(packed_gemm_supported(), "packed_gemm: built without AVX-512 or AVX2 + FMA");
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
               "packed_gemm: weight from pack_gemm_weight");
   const int64_t k = packed.size(1), n = out_features;
@@ -253,7 +271,7 @@ at::Tensor packed_gemm(const at::Tensor& x_in, const at::Tensor& packed, const c
   const at::Tensor x = x_in.reshape({-1, k}).contiguous();
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
-#if defined(__AVX512F__)
+#if TRITONLLM_PANEL_GEMM
   run_panels<float>(x.data_ptr<float>(), k, packed.data_ptr<float>(), k, packed.size(0), m, n, bias, y.data_ptr<float>(),
                     kMicrokernels<Float32Panels>);
 #endif

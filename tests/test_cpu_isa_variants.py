@@ -1,0 +1,171 @@
+"""The CPU kernels' instruction-set variants (devices/cpu/kernels.py): which one a CPU gets, every
+variant this machine can run passing the kernel tests, and the sources compiling for aarch64."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tritonllm.devices.cpu import kernels as cpu_kernels
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parent.parent
+CSRC = REPO / "backend" / "devices" / "cpu" / "csrc"
+
+# /proc/cpuinfo flags of a few CPUs, the part the chooser reads (the kernel lists AVX and AVX-512
+# only where it saves their registers).
+V2 = {"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm", "xsave"}
+HASWELL = V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}
+SKYLAKE_X = HASWELL | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+CASCADE_LAKE = SKYLAKE_X | {"avx512_vnni"}
+ZEN4 = CASCADE_LAKE | {"avx512_bf16", "avx512ifma", "avx512vbmi", "avx_vnni"}
+SANDY_BRIDGE = V2 | {"avx"}
+
+
+@pytest.mark.parametrize("flags,machine,expected", [
+    (ZEN4, "x86_64", "avx512_bf16"),
+    (CASCADE_LAKE, "x86_64", "avx512"),  # VNNI without BF16
+    (SKYLAKE_X, "x86_64", "avx512"),
+    (SKYLAKE_X | {"avx512_bf16"}, "x86_64", "avx512"),  # BF16 without VNNI
+    (HASWELL, "x86_64", "avx2"),
+    (ZEN4 - {"avx512vl"}, "x86_64", "avx2"),  # x86-64-v4 is all five AVX-512 subsets
+    (HASWELL - {"fma"}, "x86_64", "generic"),
+    (HASWELL - {"abm"}, "x86_64", "generic"),  # abm: LZCNT, part of x86-64-v3
+    (SANDY_BRIDGE, "x86_64", "generic"),
+    (set(), "x86_64", "generic"),
+    (None, "x86_64", "generic"),  # no /proc/cpuinfo: nothing is known
+    (ZEN4, "AMD64", "avx512_bf16"),
+    (ZEN4, "aarch64", "generic"),  # the x86 variants never run on another machine
+    ({"fp", "asimd", "sve"}, "aarch64", "generic"),
+    (None, "arm64", "generic"),
+])
+def test_the_best_variant_the_cpu_can_run_is_chosen(flags, machine, expected):
+    assert cpu_kernels.choose_variant(flags, machine) == expected
+    assert cpu_kernels.runnable_variants(flags, machine)[0] == expected
+    assert cpu_kernels.runnable_variants(flags, machine)[-1] == "generic"
+
+
+def test_a_requested_variant_runs_only_where_the_cpu_can_run_it():
+    assert cpu_kernels.choose_variant(ZEN4, "x86_64", "avx2") == "avx2"
+    assert cpu_kernels.choose_variant(ZEN4, "x86_64", "generic") == "generic"
+    assert cpu_kernels.choose_variant(None, "aarch64", "generic") == "generic"
+    with pytest.raises(ValueError, match="TRITONLLM_CPU_ISA=avx512_bf16: this CPU lacks avx512_bf16, avx512_vnni"):
+        cpu_kernels.choose_variant(SKYLAKE_X, "x86_64", "avx512_bf16")
+    with pytest.raises(ValueError, match="lacks abm, avx2, bmi1, bmi2, f16c, fma, movbe; this CPU can run: generic$"):
+        cpu_kernels.choose_variant(SANDY_BRIDGE, "x86_64", "avx2")
+    with pytest.raises(ValueError, match="built for x86-64 and this is aarch64"):
+        cpu_kernels.choose_variant(ZEN4, "aarch64", "avx2")
+    with pytest.raises(ValueError, match="no such CPU kernel variant .*avx512_bf16, avx512, avx2, generic"):
+        cpu_kernels.choose_variant(ZEN4, "x86_64", "avx-512")
+
+
+def test_load_refuses_a_variant_the_cpu_cannot_run(monkeypatch):
+    """TRITONLLM_CPU_ISA is refused before anything is built or loaded (as if on a Haswell)."""
+    monkeypatch.setattr(cpu_kernels, "_state", {})  # this process's load() not done yet
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset(HASWELL))
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx512")
+    with pytest.raises(ValueError, match="TRITONLLM_CPU_ISA=avx512: this CPU lacks avx512bw, avx512cd, avx512dq"):
+        cpu_kernels.load()
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="TRITONLLM_CPU_ISA=sse9: no such CPU kernel variant"):
+        cpu_kernels.load()
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    assert cpu_kernels.variant() == "avx2"
+    monkeypatch.delenv(cpu_kernels.ISA_ENV)
+    assert cpu_kernels.variant() == "avx2" and "-march=x86-64-v3" in " ".join(
+        cpu_kernels._extension_args("avx2", Path("/nonexistent"))["extra_cflags"])
+
+
+# g++'s -m options as /proc/cpuinfo names them. MWAIT (cpuinfo "monitor", which VMs often hide) is
+# enabled by -march=x86-64-v3 but only emitted by its intrinsics, which the kernels do not use.
+GCC_TO_CPUINFO = {"avx": "avx", "avx2": "avx2", "bmi": "bmi1", "bmi2": "bmi2", "f16c": "f16c", "fma": "fma",
+                  "lzcnt": "abm", "movbe": "movbe", "popcnt": "popcnt", "sse3": "pni", "ssse3": "ssse3",
+                  "sse4": "sse4_2", "sse4.1": "sse4_1", "sse4.2": "sse4_2", "crc32": "sse4_2", "cx16": "cx16",
+                  "sahf": "lahf_lm", "xsave": "xsave", "avx512f": "avx512f", "avx512bw": "avx512bw",
+                  "avx512cd": "avx512cd", "avx512dq": "avx512dq", "avx512vl": "avx512vl",
+                  "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "mwait": None}
+
+
+def _gcc_enabled(flags) -> set[str]:
+    out = subprocess.run(["g++", "-Q", "--help=target", *flags], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0][2:] for line in out.splitlines() if line.strip().startswith("-m") and "[enabled]" in line}
+
+
+@pytest.mark.skipif(not (shutil.which("g++") and cpu_kernels.compiler_targets("avx512_bf16")),
+                    reason="no g++ targeting x86-64")
+@pytest.mark.parametrize("name", [v.name for v in cpu_kernels.VARIANTS if v.x86])
+def test_each_variant_requires_every_cpu_feature_its_flags_enable(name):
+    """A variant's compiler flags may emit any instruction they enable: the CPU must show each."""
+    variant = next(v for v in cpu_kernels.VARIANTS if v.name == name)
+    enabled = _gcc_enabled(variant.cflags) - _gcc_enabled(["-march=x86-64"])
+    unknown = enabled - GCC_TO_CPUINFO.keys()
+    assert not unknown, f"map these g++ features to /proc/cpuinfo flags: {sorted(unknown)}"
+    assert {GCC_TO_CPUINFO[f] for f in enabled} - {None} == variant.cpu_flags
+
+
+def _default_variant() -> str:
+    return cpu_kernels.choose_variant(cpu_kernels._cpu_flags(), platform.machine())
+
+
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
+@pytest.mark.parametrize("name", [v.name for v in cpu_kernels.VARIANTS])
+def test_each_variant_this_cpu_runs_passes_the_kernel_tests(name):
+    """The default variant runs the whole suite; each other one this CPU can run passes
+    tests/test_cpu_kernels.py (its unit tier) in a process of its own (one variant per process), so
+    an AVX-512 machine also tests the AVX2 and scalar code paths. A variant not built yet (install.sh
+    builds them all) is built first."""
+    runnable = cpu_kernels.runnable_variants(cpu_kernels._cpu_flags(), platform.machine())
+    if name not in runnable:
+        pytest.skip(f"this CPU cannot run the {name} variant")
+    if name == _default_variant():
+        pytest.skip(f"{name} is this CPU's default variant: the rest of the suite tests it")
+    done = subprocess.run([sys.executable, "-m", "pytest", str(REPO / "tests" / "test_cpu_kernels.py"), "-q",
+                           "-m", "unit", "-p", "no:cacheprovider"], env={**os.environ, cpu_kernels.ISA_ENV: name},
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert f"CPU kernels variant {name} with" in done.stdout, done.stdout[-2000:]
+
+
+AARCH64_CXX = "aarch64-linux-gnu-g++"
+# torch's headers the sources include, parsed once into a precompiled header (about 13 s, then about
+# 1 s a source instead of 7).
+TORCH_HEADERS = ("ATen/ATen.h", "ATen/Parallel.h", "ATen/core/dispatch/Dispatcher.h", "torch/library.h")
+
+
+@pytest.fixture(scope="module")
+def aarch64_flags(tmp_path_factory):
+    """The flags torch's builder gives the sources (its C++ standard, c++20 in torch 2.13; its include
+    folders and Python's as system headers), the generic variant's (none) and ours, plus the torch
+    headers precompiled for aarch64 (about 450 MB, removed after the module)."""
+    from torch.utils.cpp_extension import include_paths
+
+    folder = tmp_path_factory.mktemp("aarch64_pch")
+    flags = ["-std=c++20", "-fPIC", "-O3", "-ffast-math", "-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H",
+             *(f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]])]
+    header = folder / "torch_headers.h"
+    header.write_text("".join(f"#include <{h}>\n" for h in TORCH_HEADERS))
+    done = subprocess.run([AARCH64_CXX, *flags, "-x", "c++-header", str(header), "-o", str(header) + ".gch"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, "torch's headers do not compile for aarch64:\n" + done.stderr[-6000:]
+    yield [*flags, "-Winvalid-pch", "-include", str(header)]
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.skipif(not shutil.which(AARCH64_CXX),
+                    reason=f"no {AARCH64_CXX} (scripts/install.sh installs g++-aarch64-linux-gnu for the test extra)")
+@pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cpp")))
+def test_each_source_compiles_for_aarch64(source, aarch64_flags):
+    """The generic variant on an ARM server: every x86 intrinsic behind its #if. torch's and Python's
+    headers pick their own SIMD by the compiler's target defines (__aarch64__ here), not the host's."""
+    done = subprocess.run([AARCH64_CXX, *aarch64_flags, "-fsyntax-only", str(CSRC / source)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-6000:]
