@@ -11,8 +11,8 @@ from tritonllm.devices.cpu.decoder_stack import DecoderStack
 
 pytestmark = pytest.mark.engine
 
-avx512 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
-                            reason="kernels built without AVX-512 (this CPU lacks it)")
+panel_gemm = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_supported()),
+                                reason="kernels without the panel GEMM (the generic variant: neither AVX-512 nor AVX2 + FMA)")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ def count_stack_steps(model) -> CountingStack:
     return counter
 
 
-@avx512
+@panel_gemm
 @pytest.mark.parametrize("exact_blocks", [True, False])
 def test_engine_outputs_equal_with_and_without_the_stack(model_dir, exact_blocks):
     """Greedy ids and log-probs, bit for bit, for one request (prompt step, then decode steps of one
@@ -80,7 +80,7 @@ def test_engine_outputs_equal_with_and_without_the_stack(model_dir, exact_blocks
     assert torch.equal(bits(results[True][1]), bits(results[False][1]))
 
 
-@avx512
+@panel_gemm
 def test_a_mixed_step_takes_the_stack_with_the_modules_results(model_dir):
     """A step with decodes beside a prompt chunk runs one attention call per layer over both (the decode's
     row, then a row per prompt token); its ids and log-probs are the modules' bit for bit."""
@@ -116,7 +116,7 @@ def test_a_mixed_step_takes_the_stack_with_the_modules_results(model_dir):
         assert ids_on == ids_off and torch.equal(bits(lp_on), bits(lp_off))
 
 
-@avx512
+@panel_gemm
 @pytest.mark.parametrize("family", ["qwen3", "olmo2"])
 def test_query_key_and_output_norms_run_in_the_stack_with_the_modules_results(family, tokenizer, tmp_path):
     """Qwen3 norms each query and key head before the rotary; OLMo 2 norms the whole query and key
@@ -152,7 +152,7 @@ def test_query_key_and_output_norms_run_in_the_stack_with_the_modules_results(fa
         assert out == expected[0, len(ids):].tolist()
 
 
-@avx512
+@panel_gemm
 def test_layers_that_all_slide_with_one_window_run_in_the_stack_with_the_modules_results(tokenizer, tmp_path):
     """Where every layer attends to its last `sliding_window` positions (Mistral), one pool serves them all
     and the stack's attention rows carry the window: outputs running past it, the blocks behind it given

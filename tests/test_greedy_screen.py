@@ -15,9 +15,9 @@ from tritonllm.devices.cpu.greedy_screen import GreedyScreen, Int8GreedyScreen, 
 pytestmark = pytest.mark.unit
 
 avx512_bf16 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_bf16_supported()),
-                                 reason="kernels built without AVX512-BF16 (this CPU lacks it)")
+                                 reason="kernels built without AVX512-BF16 (not in this CPU, or not in the kernel variant TRITONLLM_CPU_ISA picks)")
 avx512_vnni = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.int8_screen_supported()),
-                                 reason="kernels built without AVX512-VNNI (this CPU lacks it)")
+                                 reason="kernels built without AVX512-VNNI (not in this CPU, or not in the kernel variant TRITONLLM_CPU_ISA picks)")
 SCREENS = [pytest.param("int8", marks=avx512_vnni), pytest.param("bfloat16", marks=avx512_bf16)]
 
 

@@ -21,7 +21,7 @@ panel_gemm = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_g
                                 reason="the kernels' build has neither AVX-512 nor AVX2 + FMA (generic variant, "
                                        "or TRITONLLM_CPU_ISA=generic): no panel GEMM")
 avx512_bf16 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_bf16_supported()),
-                                 reason="kernels built without AVX512-BF16 (this CPU lacks it)")
+                                 reason="kernels built without AVX512-BF16 (not in this CPU, or not in the kernel variant TRITONLLM_CPU_ISA picks)")
 
 
 def bf16_rounded(t: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,9 @@ class CpuOps(LayerOps):
         plan = super().plan()
         if self.gemm != "aten":
             blocks = " + exact blocks" if self.exact_blocks else ""
-            plan["linear"] = plan["lm_head"] = f"{self.gemm} packed{blocks}"
+            # cpu_gemm=avx512 is our panel GEMM, built for AVX-512 and for AVX2: name the build that runs.
+            kernel = f"panel GEMM ({kernels.variant()} kernels)" if self.gemm == "avx512" else self.gemm
+            plan["linear"] = plan["lm_head"] = f"{kernel} packed{blocks}"
         if self.kernels:
             plan.update(add_rms_norm="C++", act_and_mul="C++ (SiLU; other activations torch)",
                         rotary_write_kv="C++", attention="C++ paged (soft-capped layers torch)")
