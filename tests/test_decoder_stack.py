@@ -55,6 +55,25 @@ def count_stack_steps(model) -> CountingStack:
     return counter
 
 
+def stack_against_modules(make_engine, prompts, params, model_ok) -> list[list[int]]:
+    """`prompts` generated on a fresh engine (`make_engine()`, whose model `model_ok` accepts) with the
+    stack, and on another with the layers one by one: the same ids and log-probs bit for bit, the stack
+    having taken decode steps of 3 rows and prompt steps of more. Returns the ids."""
+    results = {}
+    for on in (True, False):
+        eng = make_engine()
+        model = eng.runner.model
+        assert model_ok(model)
+        counter = count_stack_steps(model) if on else use_modules(model)
+        outs = eng.generate(prompt_token_ids=prompts, params=params)
+        results[on] = ([o.token_ids for o in outs], torch.tensor([o.logprobs for o in outs]))
+        if on:
+            assert 3 in counter.calls and any(rows > 3 for rows in counter.calls)
+    assert results[True][0] == results[False][0]
+    assert torch.equal(bits(results[True][1]), bits(results[False][1]))
+    return results[True][0]
+
+
 @panel_gemm
 @pytest.mark.parametrize("exact_blocks", [True, False])
 def test_engine_outputs_equal_with_and_without_the_stack(model_dir, exact_blocks):
@@ -133,21 +152,13 @@ def test_query_key_and_output_norms_run_in_the_stack_with_the_modules_results(fa
     reference = write_tiny_model(config, tokenizer, tmp_path)
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in ("def fibonacci(n):", "Once upon a time", "1, 2, 3")]
     params = SamplingParams(max_tokens=10, logprobs=True, ignore_eos=True)
-    results = {}
-    for on in (True, False):
-        eng = engine(tmp_path)
-        model = eng.runner.model
+    def check(model) -> bool:
         stack = stack_of(model)
-        assert stack is not None and len(stack.qk_norms) == 2 * 3
-        assert (len(stack.norms), len(stack.output_norms)) == ((2 * 3, 0) if family == "qwen3" else (0, 2 * 3))
-        counter = count_stack_steps(model) if on else use_modules(model)
-        outs = eng.generate(prompt_token_ids=prompts, params=params)
-        results[on] = ([o.token_ids for o in outs], torch.tensor([o.logprobs for o in outs]))
-        if on:
-            assert 3 in counter.calls and any(rows > 3 for rows in counter.calls)
-    assert results[True][0] == results[False][0]
-    assert torch.equal(bits(results[True][1]), bits(results[False][1]))
-    for ids, out in zip(prompts, results[True][0]):
+        return (stack is not None and len(stack.qk_norms) == 2 * 3
+                and (len(stack.norms), len(stack.output_norms)) == ((2 * 3, 0) if family == "qwen3" else (0, 2 * 3)))
+
+    token_ids = stack_against_modules(lambda: engine(tmp_path), prompts, params, check)
+    for ids, out in zip(prompts, token_ids):
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
         assert out == expected[0, len(ids):].tolist()
 
@@ -166,19 +177,9 @@ def test_layers_that_all_slide_with_one_window_run_in_the_stack_with_the_modules
     reference = write_tiny_model(transformers.MistralConfig(**args, sliding_window=20), tokenizer, tmp_path)
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in ("def fibonacci(n):", "Once upon a time", "1, 2, 3")]
     params = SamplingParams(max_tokens=40, logprobs=True, ignore_eos=True)  # 20 or more past the window
-    results = {}
-    for on in (True, False):
-        eng = engine(tmp_path)
-        model = eng.runner.model
-        assert model.kv_release_window == 20 and stack_of(model) is not None
-        counter = count_stack_steps(model) if on else use_modules(model)
-        outs = eng.generate(prompt_token_ids=prompts, params=params)
-        results[on] = ([o.token_ids for o in outs], torch.tensor([o.logprobs for o in outs]))
-        if on:
-            assert 3 in counter.calls and any(rows > 3 for rows in counter.calls)
-    assert results[True][0] == results[False][0]
-    assert torch.equal(bits(results[True][1]), bits(results[False][1]))
-    for ids, out in zip(prompts, results[True][0]):
+    token_ids = stack_against_modules(lambda: engine(tmp_path), prompts, params,
+                                      lambda model: model.kv_release_window == 20 and stack_of(model) is not None)
+    for ids, out in zip(prompts, token_ids):
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
         assert out == expected[0, len(ids):].tolist()
 

@@ -279,8 +279,8 @@ constexpr auto kMicrokernels = microkernel_table<F>(std::make_integer_sequence<i
 
 
 // One row takes two panels per microkernel call (see microkernel): two independent FMA chains per
-// column vector instead of one hide the FMA latency that a single row cannot (docs/HISTORY.md). On AVX2
-// too (4 vectors a panel): [1,576]x[576,1536] Q4_1, 1 thread, 0.043 ms with one panel, 0.038 with two.
+// column vector instead of one hide the FMA latency that a single row cannot, on AVX2 (4 vectors a
+// panel) as on AVX-512 (docs/HISTORY.md has both measurements).
 constexpr int64_t kOneRowPanels = 2;
 
 // The threads claim runs of panels. A panel's first block of up to kMaxRows rows decodes it in
