@@ -207,7 +207,8 @@ def test_complete_config_refuses_tritons_batching():
 
 # ---- the shipped config files --------------------------------------------------------------------
 
-DEVICE_PARAMETERS = {"device", "dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_fraction"}
+DEVICE_PARAMETERS = {"device", "dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_fraction",
+                     "block_size"}  # torch_npu's paged attention takes blocks of 128 to 512 tokens
 CPU_ONLY_PARAMETERS = {"cpu_gemm", "exact_block_weights", "greedy_screen"}
 DEVICE_ONLY_PARAMETERS = {"cuda": {"cuda_attention", "cuda_graphs"}, "npu": {"npu_attention"}}
 

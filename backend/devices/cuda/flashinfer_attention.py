@@ -5,6 +5,10 @@ step is planned once, on the host, from its lengths and block tables (`SequenceB
 per kind of layer (window, soft cap, scale, head counts), planned before the forward and run by every
 layer of that kind. A batch-prefill wrapper takes the whole step, decodes (one query each) and
 prompt chunks together, causal within each sequence.
+
+What the planning arrays mean is FlashInfer's documentation (docs/tutorials/kv_layout.rst, "Page Table
+Layout"; the wrappers' `plan` docstrings); tests/flashinfer_reference.py is a CPU reference of exactly
+that, which the contract tests run these plans through (tests/test_flashinfer_contract.py).
 """
 
 from __future__ import annotations
@@ -52,9 +56,13 @@ class FlashInferPlans:
     """One FlashInfer wrapper per kind of layer, planned for each step by `plan`."""
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
-                 block_size: int):
-        import flashinfer
+                 block_size: int, flashinfer=None):
+        """`flashinfer`: the module whose wrappers plan and run attention: FlashInfer's own unless another
+        with the same documented interface is given (the contract tests give a CPU reference of it)."""
+        if flashinfer is None:
+            import flashinfer
 
+        self.flashinfer = flashinfer
         self.device, self.dtype, self.kv_dtype, self.block_size = device, dtype, kv_dtype, block_size
         self.workspace = workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         kinds = {LayerKind.of(m) for m in model.modules() if isinstance(m, PagedAttention)}

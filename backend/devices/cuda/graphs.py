@@ -25,6 +25,17 @@ from tritonllm.layers.attention_metadata import AttentionMetadata, SequenceBatch
 logger = logging.getLogger(__name__)
 
 
+def padded_decodes(seqs: SequenceBatch, size: int, max_blocks: int) -> tuple[list[int], np.ndarray]:
+    """A step's decodes as a bucket of `size` rows plans them: (context lengths, block tables [size,
+    max_blocks]), each row past the step's own a copy of its last (the padding rows of `_Bucket.load`)."""
+    n = len(seqs.seq_lens_host)
+    seq_lens = seqs.seq_lens_host + seqs.seq_lens_host[-1:] * (size - n)
+    table = np.zeros((size, max_blocks), dtype=np.int32)
+    table[:n, :seqs.block_table_host.shape[1]] = seqs.block_table_host
+    table[n:] = table[n - 1]
+    return seq_lens, table
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to `max_batch` (and `max_batch` itself): few graphs, little padding."""
     buckets = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
@@ -35,8 +46,7 @@ class _Bucket:
     """One captured batch size: its static inputs, decode wrappers and graph."""
 
     def __init__(self, size: int, max_blocks: int, plans: FlashInferPlans, device: torch.device):
-        import flashinfer
-
+        flashinfer = plans.flashinfer
         self.size, self.max_blocks = size, max_blocks
         self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)
@@ -54,6 +64,19 @@ class _Bucket:
 
     def meta(self, seqs: SequenceBatch) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping, seqs=seqs)
+
+    def load(self, plans: FlashInferPlans, input_ids: torch.Tensor, positions: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+        """A step of up to `size` decodes into the static inputs, the rows past it copies of its last one
+        (the same token, position and KV slot: they write the same K/V to the same place), and its
+        attention planned on those rows."""
+        n, pad = len(input_ids), self.size - len(input_ids)
+        for static, value in ((self.input_ids, input_ids), (self.positions, positions),
+                              (self.slot_mapping, meta.slot_mapping)):
+            static[:n].copy_(value)
+            if pad:
+                static[n:].copy_(value[-1:].expand(pad))
+        self.plan(plans, *padded_decodes(meta.seqs, self.size, self.max_blocks))
 
     def plan(self, plans: FlashInferPlans, seq_lens: list[int], block_table: np.ndarray) -> None:
         seqs = SequenceBatch(query_start_loc=None, seq_lens=None, block_table=None, num_decodes=self.size,
@@ -108,26 +131,22 @@ class DecodeGraphs:
         finally:
             self.plans.active = None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The step's final hidden states from a graph, or None where no graph applies (a step with a
-        prompt chunk, or more decodes than the largest bucket)."""
+    def bucket_for(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> _Bucket | None:
+        """The bucket a step replays in, or None where no graph applies (a step with a prompt chunk, or
+        more decodes than the largest bucket)."""
         seqs = meta.seqs
         if seqs is None or meta.sliding is not None:
             return None
         n = len(seqs.seq_lens_host)
         if seqs.num_decodes != n or n != len(input_ids) or n > self.max_batch:
             return None
-        bucket = next(b for b in self.buckets if b.size >= n)
-        pad = bucket.size - n
-        for static, value in ((bucket.input_ids, input_ids), (bucket.positions, positions),
-                              (bucket.slot_mapping, meta.slot_mapping)):
-            static[:n].copy_(value)
-            if pad:
-                static[n:].copy_(value[-1:].expand(pad))
-        seq_lens = seqs.seq_lens_host + seqs.seq_lens_host[-1:] * pad
-        table = np.zeros((bucket.size, bucket.max_blocks), dtype=np.int32)
-        table[:n, :seqs.block_table_host.shape[1]] = seqs.block_table_host
-        table[n:] = table[n - 1]
-        bucket.plan(self.plans, seq_lens, table)
+        return next(b for b in self.buckets if b.size >= n)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The step's final hidden states from a graph, or None where no graph applies (`bucket_for`)."""
+        bucket = self.bucket_for(input_ids, meta)
+        if bucket is None:
+            return None
+        bucket.load(self.plans, input_ids, positions, meta)
         bucket.graph.replay()
-        return bucket.hidden[:n]
+        return bucket.hidden[:len(input_ids)]

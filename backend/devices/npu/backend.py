@@ -11,10 +11,25 @@ from torch import nn
 
 from tritonllm.core.config import NpuOptions
 from tritonllm.devices.backend import Capabilities, DeviceBackend, Runtime
-from tritonllm.devices.npu.ops import NpuOps
+from tritonllm.devices.npu.ops import NpuOps, fused_attention_unsupported
 from tritonllm.layers.attention import PagedAttention
 
 logger = logging.getLogger(__name__)
+
+
+def choose_attention(requested: str, runtime: Runtime) -> tuple[bool, str]:
+    """`npu_attention=requested` for this runtime: (whether torch_npu's fused path runs, why not where it
+    does not). torch_npu's calls are only called within what their documentation allows: outside it,
+    `auto` runs the torch reference and an explicit `torch_npu` fails the load."""
+    if requested == "torch":
+        return False, "npu_attention=torch"
+    why = fused_attention_unsupported(runtime.dtype, runtime.kv_dtype, runtime.block_size)
+    if not why:
+        return True, ""
+    if requested == "torch_npu":
+        raise ValueError(f"npu_attention=torch_npu: {why}")
+    logger.warning("%s: the torch reference attention runs", why)
+    return False, why
 
 
 class NpuBackend(DeviceBackend):
@@ -22,8 +37,8 @@ class NpuBackend(DeviceBackend):
 
     def __init__(self, options: NpuOptions, runtime: Runtime):
         super().__init__(options, runtime)
-        fused = options.attention != "torch"
-        self.ops = NpuOps(fused, runtime.device, "" if fused else "npu_attention=torch")
+        fused, why = choose_attention(options.attention, runtime)
+        self.ops = NpuOps(fused, runtime.device, why)
 
     @property
     def capabilities(self) -> Capabilities:
