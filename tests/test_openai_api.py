@@ -3,7 +3,8 @@ the API beside it; requests go through the real `openai` SDK, curl and AIPerf.
 
 One server for the module (starting one takes a minute or more on a busy 2-core machine). Its smollm2
 runs at most 2 sequences with a waiting queue of 4, so that the queue-full test can fill it; the
-repository also holds minilm, which is not a generate model and must stay out of /v1/models.
+repository also holds minilm, an embedding model: listed by /v1/models, refused by the generate endpoints,
+and `slowload`, a model not loaded at start whose load waits for a file, to be seen while it loads.
 """
 
 from __future__ import annotations
@@ -59,6 +60,37 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return 0, b""
 
 
+SLOW = "slowload"
+_SLOW_MODEL_PY = """
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        # Loading lasts until the test creates the file `release` beside config.pbtxt.
+        release = os.path.join(args["model_repository"], "release")
+        deadline = time.monotonic() + 300
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", np.zeros(1, np.float32))]) for _ in requests]
+"""
+
+
+def _write_slow_loading_model(folder: Path) -> None:
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(_SLOW_MODEL_PY)
+    (folder / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\ninstance_group [ { count: 1, kind: KIND_CPU } ]\n'
+        'input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+        'output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]\n')
+
+
 @dataclass
 class Served:
     process: subprocess.Popen
@@ -68,6 +100,7 @@ class Served:
     metrics: str
     openai_port: int
     model_dir: Path
+    repo: Path
 
     @property
     def base(self) -> str:
@@ -82,6 +115,7 @@ def served(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("openai")
     repo = write_variant_repo(root / "repo", max_num_seqs=2, max_queue_size=4)
     shutil.copytree(REPO / "model_repository" / "minilm", repo / "minilm", ignore=shutil.ignore_patterns("__pycache__"))
+    _write_slow_loading_model(repo / SLOW)
     http_port, grpc_port, metrics_port, openai_port = _free_ports(4)
     log = root / "serve.log"
     serve = Path(sys.executable).parent / "tritonllm-serve"
@@ -91,7 +125,7 @@ def served(tmp_path_factory, model_dir):
     with open(log, "wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     s = Served(process, log, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
-               f"http://127.0.0.1:{metrics_port}/metrics", openai_port, model_dir)
+               f"http://127.0.0.1:{metrics_port}/metrics", openai_port, model_dir, repo)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -161,11 +195,13 @@ def _wait_metric(served: Served, name: str, value: float, timeout: float = 120.0
 
 # ---- models --------------------------------------------------------------------------------------
 
-def test_models_lists_the_generate_models_only(served, client):
-    assert _get(f"http://{served.http}/v2/models/minilm/ready")[0] == 200  # loaded, yet not a generate model
+def test_models_lists_the_generate_and_embedding_models(served, client):
+    assert _get(f"http://{served.http}/v2/models/minilm/ready")[0] == 200
     models = client.models.list().data
-    assert [m.id for m in models] == [MODEL]
+    assert [m.id for m in models] == ["minilm", MODEL]  # minilm serves /v1/embeddings (test_openai_embeddings.py)
     assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):  # not a generate model
+        client.completions.create(model="minilm", prompt="hi", max_tokens=1)
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -299,13 +335,86 @@ def test_errors_have_openais_shape_and_status(client):
     with pytest.raises(openai.BadRequestError) as info:  # INVALID_ARG of a stream: still a 400 before any chunk
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True, top_p=0)
     assert "top_p" in info.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as info:  # refused here: no tools
+    with pytest.raises(openai.BadRequestError) as info:  # "auto" (the default with tools) needs the parser options
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert info.value.body["param"] == "tools"
+    assert info.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError):  # a field of the wrong type
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"max_tokens": "many"})
+
+
+def test_limits_and_roles_get_vllms_400s(client, hf_tokenizer):
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt_tokens = len(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=False))
+    with pytest.raises(openai.BadRequestError) as info:  # vLLM's words, which clients match to shorten a request
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=100_000_000)
+    assert info.value.body["message"] == (
+        f"'max_tokens' or 'max_completion_tokens' is too large: 100000000. This model's maximum context length is "
+        f"2048 tokens and your request has {prompt_tokens} input tokens (100000000 > 2048 - {prompt_tokens}).")
+    assert info.value.body["param"] == "max_tokens"
+    prompt = "The capital of France is"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2048 - len(hf_tokenizer.encode(prompt)) + 1)
+    assert "is too large" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}], max_tokens=2)
+    assert info.value.body["param"] == "messages" and "unknown role 'wizard'" in info.value.body["message"]
+    # What max_model_len leaves is allowed (greedy, so the answer ends long before).
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2048 - prompt_tokens,
+                                          temperature=0)
+    assert chat.choices[0].finish_reason == "stop"
+
+
+def _repository_state(served: Served, name: str) -> str:
+    # Over gRPC: tritonserver's HTTP threads each serve their connections, and the one blocked in the load
+    # request holds up any other request that lands on it.
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(served.grpc)
+    try:
+        index = client.get_model_repository_index(as_json=True, client_timeout=10)
+    finally:
+        client.close()
+    return next((m.get("state", "") for m in index.get("models", []) if m["name"] == name), "")
+
+
+def test_a_model_still_loading_gets_503_and_is_not_listed(served, client):
+    """While `slowload` loads: 503 saying so (retryable), absent from /v1/models. Once loaded it is no
+    generate model: 404."""
+    assert _repository_state(served, SLOW) != "LOADING"
+
+    def load():
+        request = urllib.request.Request(f"http://{served.http}/v2/repository/models/{SLOW}/load", data=b"{}",
+                                         method="POST")
+        urllib.request.urlopen(request, timeout=600).read()
+
+    loading = threading.Thread(target=load, daemon=True)
+    loading.start()
+    try:
+        deadline = time.monotonic() + 120
+        while _repository_state(served, SLOW) != "LOADING":
+            assert time.monotonic() < deadline, "slowload never showed as LOADING"
+            time.sleep(0.2)
+        assert SLOW not in [m.id for m in client.models.list().data]
+        for call in (lambda: client.chat.completions.create(model=SLOW, messages=[{"role": "user", "content": "hi"}]),
+                     lambda: client.completions.create(model=SLOW, prompt="hi"),
+                     lambda: client.models.retrieve(SLOW)):
+            with pytest.raises(openai.APIStatusError) as info:
+                call()
+            assert info.value.status_code == 503, info.value.body
+            assert info.value.body["code"] == "model_not_ready" and "is loading" in info.value.body["message"]
+    finally:
+        (served.repo / SLOW / "release").touch()
+        loading.join(timeout=120)
+    assert _repository_state(served, SLOW) == "READY"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=SLOW, prompt="hi")
+    assert [m.id for m in client.models.list().data] == ["minilm", MODEL]
+    unload = urllib.request.Request(f"http://{served.http}/v2/repository/models/{SLOW}/unload", data=b"{}",
+                                    method="POST")
+    urllib.request.urlopen(unload, timeout=120).read()
 
 
 def test_queue_full_is_503_and_disconnects_cancel_their_triton_requests(served, client):

@@ -10,6 +10,8 @@ and cancellation stay Triton's: a client that disconnects cancels its Triton req
 - `triton.py`: the generate models of the repository, their tokenizers (for chat templates), and
   one streamed Triton request;
 - `responses.py`: Triton outputs -> OpenAI's response and chunk objects;
+- `tools.py`: a chat request's tools -> the guide that keeps calls well formed, and the server's chat
+  template and tool parser options; `tool_parsers.py`: reading calls out of the model's text, streamed;
 - `server.py`: the FastAPI app and `main` (`python -m tritonllm.openai`), `start_server` for the
   launcher.
 """

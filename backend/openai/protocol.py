@@ -8,6 +8,7 @@ does not offer (refused with 400 naming the field).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Union
 
@@ -33,6 +34,26 @@ class OpenAIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request", param)
+
+
+def check_context(max_model_len: int | None, num_input_tokens: int, max_tokens: int | None,
+                  truncate_prompt_tokens: int | None = None, param: str = "messages") -> None:
+    """vLLM's 400s for a prompt that leaves no room in `max_model_len`, and for a `max_tokens` beyond what
+    it leaves (with vLLM's words, which clients match to shorten a request)."""
+    if max_model_len is None:
+        return
+    if truncate_prompt_tokens is not None:  # the model keeps the prompt's end (-1: as much as fits)
+        keep = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep > 0:
+            num_input_tokens = min(num_input_tokens, keep)
+    if num_input_tokens >= max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your request "
+                          f"has {num_input_tokens} input tokens. Please reduce the length of the input messages.",
+                          param)
+    if max_tokens is not None and max_tokens > max_model_len - num_input_tokens:
+        raise bad_request(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                          f"context length is {max_model_len} tokens and your request has {num_input_tokens} input "
+                          f"tokens ({max_tokens} > {max_model_len} - {num_input_tokens}).", "max_tokens")
 
 
 class StreamOptions(BaseModel):
@@ -193,6 +214,21 @@ class CompletionRequest(_Request):
         return self.logprobs is not None
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _template_call(call: dict) -> dict:
+    """An assistant message's call as chat templates take it: arguments as an object where they are JSON
+    text (OpenAI sends text; templates write `arguments | tojson`), as vLLM passes them."""
+    function = dict(call["function"])
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": function}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id: passed to the template
     role: str
@@ -208,7 +244,7 @@ class ChatCompletionRequest(_Request):
     tool_choice: Union[str, dict, None] = None
     functions: list[dict] | None = None
     function_call: Union[str, dict, None] = None
-    parallel_tool_calls: bool | None = None  # accepted, not used
+    parallel_tool_calls: bool | None = None  # false: at most one call
     modalities: list[str] | None = None
     audio: dict | None = None
     # vLLM's chat template fields.
@@ -217,8 +253,22 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict | None = None
 
     def check(self) -> None:
-        if (self.tools or self.functions) and self.tool_choice != "none" and self.function_call != "none":
-            raise bad_request("tools and functions are not supported (tool_choice 'none' is accepted)", "tools")
+        if self.functions and self.function_call != "none":
+            raise bad_request("functions (deprecated) are not supported: use tools", "functions")
+        for i, m in enumerate(self.messages):
+            if m.role not in ROLES:
+                raise bad_request(f"messages[{i}]: unknown role {m.role!r}; a message's role is one of "
+                                  f"{', '.join(ROLES)}", "messages")
+            extra = m.model_extra or {}
+            if m.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+                raise bad_request(f"messages[{i}]: a message of role 'tool' needs tool_call_id, the id of the call it "
+                                  "answers", "messages")
+            calls = extra.get("tool_calls")
+            if calls is not None and (m.role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls)):
+                raise bad_request(f"messages[{i}].tool_calls: a list of calls, each with function.name and "
+                                  "function.arguments, in an assistant message", "messages")
         if self.audio is not None or (self.modalities and set(self.modalities) - {"text"}):
             raise bad_request("only text output is supported", "modalities")
         if self.top_logprobs is not None and not self.logprobs:
@@ -242,6 +292,8 @@ class ChatCompletionRequest(_Request):
                     texts.append(part["text"])
                 content = "\n".join(texts)  # as vLLM joins a message's text parts
             message["content"] = content if content is not None else ""
+            if m.role == "assistant" and message.get("tool_calls"):
+                message["tool_calls"] = [_template_call(c) for c in message["tool_calls"]]
             out.append(message)
         return out
 
@@ -252,10 +304,15 @@ class ChatCompletionRequest(_Request):
                       continue_final_message=self.continue_final_message)
         return kwargs
 
-    def sampling_parameters(self) -> dict[str, Any]:
+    @property
+    def max_new_tokens(self) -> int | None:
         # OpenAI's chat default: no limit but the context (max_model_len).
-        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        params = self._sampling(limit)
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_parameters(self, tool_guide: dict | None = None) -> dict[str, Any]:
+        params = self._sampling(self.max_new_tokens)
+        if tool_guide is not None:  # tools.plan_tools refuses it beside another guide
+            params["guided_decoding"] = tool_guide
         if self.logprobs:
             params["logprobs"] = self.top_logprobs or 0
         return params

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tritonllm.openai.tool_parsers import ToolCallStream
+from tritonllm.openai.tools import ToolPlan
 from tritonllm.openai.triton import TritonOutput
 
 
@@ -34,6 +36,7 @@ class Delta:
     text: str
     logprobs: dict | list | None
     finish_reason: str | None
+    tool_calls: list[dict] | None = None  # chat with tools: this delta's part of the calls
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -48,9 +51,14 @@ def _bytes(text: str) -> list[int]:
 class Choices:
     """The state of one request's choices: `add` each Triton response, then build the object or chunks."""
 
-    def __init__(self, chat: bool, n: int, num_prompts: int, top_logprobs: int | None, echo: list[str] | None = None):
+    def __init__(self, chat: bool, n: int, num_prompts: int, top_logprobs: int | None, echo: list[str] | None = None,
+                 tools: ToolPlan | None = None):
         self.chat, self.n, self.top_n = chat, n, top_logprobs
         self.choices = [_Choice() for _ in range(n * num_prompts)]
+        # Chat with tools: each choice's text is read for calls as it arrives.
+        self._tools = tools
+        self._calls: list[ToolCallStream | None] = [tools.stream() if tools is not None else None
+                                                    for _ in self.choices]
         self.prompt_tokens = [0] * num_prompts
         self.prompt_logprobs: list = [None] * num_prompts
         self._echo = echo  # completions with echo: each prompt's text, leading its choices' text
@@ -75,10 +83,37 @@ class Choices:
                 logprobs = self._logprobs(choice, out.top_logprobs[i])
             choice.text.append(text)
             choice.text_length += len(text)
+            calls = self._calls[index]
+            if calls is not None:
+                deltas += self._tool_deltas(index, calls, text, logprobs, out)
+                continue
             if out.final and out.finish_reasons is not None:
                 choice.finish_reason = _finish_reason(out.finish_reasons[i])
             if text or logprobs or (out.final and choice.finish_reason is not None):
                 deltas.append(Delta(index, text, logprobs, choice.finish_reason if out.final else None))
+        return deltas
+
+    def _tool_deltas(self, index: int, calls: ToolCallStream, text: str, logprobs, out: TritonOutput) -> list[Delta]:
+        """A chat choice with tools: its new text as content and tool call deltas, each a chunk of its own."""
+        parts = calls.feed(text)
+        choice = self.choices[index]
+        if out.final:
+            parts += calls.finish()
+            if out.finish_reasons is not None:
+                reason = _finish_reason(out.finish_reasons[index % self.n])
+                # As OpenAI's and vLLM's: calls end an answer with "tool_calls", but for a named function.
+                if reason == "stop" and not self._tools.named and any(c.complete for c in calls.reported_calls):
+                    reason = "tool_calls"
+                choice.finish_reason = reason
+        deltas = [Delta(index, part.get("content", ""), None, None, part.get("tool_calls")) for part in parts]
+        if logprobs and not deltas:
+            deltas.append(Delta(index, "", None, None))
+        if out.final and choice.finish_reason is not None and not deltas:
+            deltas.append(Delta(index, "", None, None))
+        if deltas:
+            deltas[0].logprobs = logprobs
+            if out.final:
+                deltas[-1].finish_reason = choice.finish_reason
         return deltas
 
     def _logprobs(self, choice: _Choice, tokens: list[dict]):
@@ -120,7 +155,13 @@ class Choices:
         for index, c in enumerate(self.choices):
             text = "".join(c.text)
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text},
+                message = {"role": "assistant", "content": text}
+                calls = self._calls[index]
+                if calls is not None:
+                    complete = [c.message() for c in calls.reported_calls if c.complete]
+                    if complete:
+                        message = {"role": "assistant", "content": calls.text_content(), "tool_calls": complete}
+                choice = {"index": index, "message": message,
                           "logprobs": {"content": c.chat_logprobs} if want_logprobs else None,
                           "finish_reason": c.finish_reason}
             else:
@@ -150,7 +191,10 @@ class Choices:
 
     def delta_choice(self, delta: Delta) -> dict:
         if self.chat:
-            choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+            message = {"content": delta.text} if delta.text else {}
+            if delta.tool_calls:
+                message["tool_calls"] = delta.tool_calls
+            choice = {"index": delta.index, "delta": message,
                       "logprobs": {"content": delta.logprobs} if delta.logprobs is not None else None,
                       "finish_reason": delta.finish_reason}
         else:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,13 +29,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from tritonllm.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from tritonllm.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, check_context
 from tritonllm.openai.responses import Choices
+from tritonllm.openai.tool_parsers import FORMATS
+from tritonllm.openai.tools import ToolSettings, plan_tools, read_chat_template
 from tritonllm.openai.triton import TritonBackend, TritonOutput, TritonRequest
 
 logger = logging.getLogger("tritonllm.openai")
 
 DEFAULT_PORT = 9000  # scripts/serve.sh's; tritonllm-serve starts this server only with --openai-port
+OPTIONS_ENV = "TRITONLLM_OPENAI_ARGS"  # more options, e.g. "--enable-auto-tool-choice --tool-call-parser hermes"
 
 
 class _ClientGone(Exception):
@@ -159,8 +163,11 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def create_app(triton_url: str) -> FastAPI:
+def create_app(triton_url: str, tools: ToolSettings | None = None) -> FastAPI:
+    """The app; `tools`: the chat template and tool call options (vLLM's --chat-template,
+    --enable-auto-tool-choice, --tool-call-parser), for every generate model."""
     backend = TritonBackend(triton_url)
+    tools = tools or ToolSettings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -214,6 +221,15 @@ def create_app(triton_url: str) -> FastAPI:
         body.warn_ignored()
         model = await backend.model(body.model)
         prompts = body.prompts()
+        if model.max_model_len is not None:
+            for p in prompts:
+                if isinstance(p, str):
+                    # A text has at most a token per byte (plus special tokens): only a long one is counted.
+                    if len(p.encode("utf-8")) + 8 + (body.max_tokens or 0) <= model.max_model_len:
+                        continue
+                    tokenizer = await backend.tokenizer(model)
+                    p = await asyncio.to_thread(tokenizer.encode, p)
+                check_context(model.max_model_len, len(p), body.max_tokens, body.truncate_prompt_tokens, "prompt")
         echo = None
         if body.echo:
             tokenizer = None
@@ -236,23 +252,32 @@ def create_app(triton_url: str) -> FastAPI:
         body = await _parse(ChatCompletionRequest, raw)
         body.check()
         body.warn_ignored()
+        plan = plan_tools(body, tools)
         model = await backend.model(body.model)
         messages = body.template_messages()
         tokenizer = await backend.tokenizer(model)
+        template_kwargs = body.template_kwargs()
+        if plan is not None:
+            template_kwargs["tools"] = plan.tools  # as transformers passes them: `tools` in the template
+        if tools.chat_template is not None:
+            template_kwargs["chat_template"] = tools.chat_template
         try:
             # The model's own `apply_chat_template` input wraps one user message; the tokenizer's
             # template takes any conversation, and gives the same tokens for one user message.
             ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=True, return_dict=False,
-                                          **body.template_kwargs())
+                                          **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja's errors name the template's complaint
             raise OpenAIError(400, f"the chat template cannot render these messages: {exc}", "invalid_request",
                               "messages") from None
+        check_context(model.max_model_len, len(ids), body.max_new_tokens, body.truncate_prompt_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        requests = [TritonRequest(model, list(ids), body.sampling_parameters(), body.stream, body.return_logprobs,
-                                  request_id)]
-        choices = Choices(chat=True, n=body.n, num_prompts=1, top_logprobs=body.top_logprobs)
+        sampling = body.sampling_parameters(plan.guide if plan is not None else None)
+        requests = [TritonRequest(model, list(ids), sampling, body.stream, body.return_logprobs, request_id)]
+        choices = Choices(chat=True, n=body.n, num_prompts=1, top_logprobs=body.top_logprobs, tools=plan)
         return await _answer(backend, raw, body, model.name, request_id, requests, choices)
 
+    from tritonllm.openai.embeddings import register_embeddings  # /v1/embeddings (embeddings.py)
+    register_embeddings(app, backend)
     return app
 
 
@@ -326,18 +351,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process is gone")
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template for every model: a file, a shipped template's name (chatml_hermes_tools), "
+                             "or the template's text; default: each model's tokenizer's")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto" (needs --tool-call-parser)')
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
+                        help="how the models write tool calls")
+    # Options for this server from the environment, before the command line's: how they reach it when
+    # tritonllm-serve (scripts/serve.sh) starts it.
+    argv = shlex.split(os.environ.get(OPTIONS_ENV, "")) + list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    try:
+        template = read_chat_template(args.chat_template) if args.chat_template is not None else None
+        tools = ToolSettings(template, args.enable_auto_tool_choice, args.tool_call_parser)
+    except ValueError as exc:
+        parser.error(str(exc))
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     if args.exit_with_parent:
         _exit_with_parent(os.getppid())
-    uvicorn.run(create_app(args.triton_url), host=args.host, port=args.port, log_level=args.log_level,
+    uvicorn.run(create_app(args.triton_url, tools), host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, timeout_graceful_shutdown=5)
 
 
-def start_server(triton_url: str, host: str, port: int, log_level: str = "warning") -> subprocess.Popen:
-    """Start the server as a child process (tritonllm-serve's --openai-port); it stops when its parent does."""
+def start_server(triton_url: str, host: str, port: int, log_level: str = "warning",
+                 extra_args: Sequence[str] = ()) -> subprocess.Popen:
+    """Start the server as a child process (tritonllm-serve's --openai-port); it stops when its parent does.
+    `extra_args`: more of its options (--chat-template, --tool-call-parser, ...)."""
     cmd = [sys.executable, "-m", "tritonllm.openai", "--triton-url", triton_url, "--host", host,
-           "--port", str(port), "--log-level", log_level, "--exit-with-parent"]
+           "--port", str(port), "--log-level", log_level, "--exit-with-parent", *extra_args]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)

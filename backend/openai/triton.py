@@ -162,6 +162,7 @@ class TritonBackend:
         self.url = url
         self.client: grpcaio.InferenceServerClient | None = None
         self._models: dict[str, ModelInfo] = {}
+        self._not_ready: dict[str, tuple[str, str]] = {}  # in the repository, not serving: name -> (state, reason)
         self._tokenizers: dict[Path, asyncio.Future] = {}
         self._folders: dict[str, Path] = {}  # config.pbtxt `model` -> its prepared folder
 
@@ -191,21 +192,39 @@ class TritonBackend:
             return False
 
     async def generate_models(self) -> dict[str, ModelInfo]:
-        """The repository's ready generate models, asked of Triton each time (models load and unload)."""
+        """The repository's generate models that can serve, asked of Triton each time (models load and
+        unload): READY in the repository index and ready as /v2/models/NAME/ready says (a supervised
+        server says not ready while a model restarts). The others are kept, with their state, for `model`."""
         try:
             index = await self.client.get_model_repository_index(as_json=True)
-            models = {}
+            models, not_ready = {}, {}
             for entry in index.get("models", []):
                 name = entry.get("name")
-                if entry.get("state") != "READY" or name in models:
+                state, reason = entry.get("state", ""), entry.get("reason", "")
+                if name in models:
                     continue
+                if state != "READY" or not await self.client.is_model_ready(name):
+                    if state == "READY":
+                        state = "NOT_READY"
+                    if not_ready.get(name, ("",))[0] not in ("LOADING", "NOT_READY"):  # a version loading wins
+                        not_ready[name] = (state, reason)
+                    continue
+                not_ready.pop(name, None)
                 config = (await self.client.get_model_config(name, as_json=True)).get("config", {})
                 if is_generate_model(config):
                     models[name] = ModelInfo(name, config)
         except InferenceServerException as exc:
             raise OpenAIError(503, f"tritonserver at {self.url} does not answer: {exc.message()}", "unavailable")
-        self._models = models
+        self._models, self._not_ready = models, not_ready
         return models
+
+    def _not_serving(self, name: str) -> OpenAIError | None:
+        """503 for a model of the repository that is loading (or restarting): it will serve, so retry."""
+        state, reason = self._not_ready.get(name, ("", ""))
+        if state in ("LOADING", "NOT_READY"):
+            doing = "is loading" if state == "LOADING" else "is not ready (it is starting again)"
+            return OpenAIError(503, f"The model `{name}` {doing}; retry shortly", "model_not_ready", "model")
+        return None
 
     async def model(self, name: str | None) -> ModelInfo:
         """The generate model `name` (the only one, where a request names none); 404 if there is none."""
@@ -215,11 +234,20 @@ class TritonBackend:
         if name is None:
             if len(models) == 1:
                 return next(iter(models.values()))
+            loading = sorted(n for n in self._not_ready if self._not_serving(n) is not None)
+            if not models and loading:
+                raise self._not_serving(loading[0])
             raise OpenAIError(400, f"model is required; the generate models are {sorted(models)}",
                               "invalid_request", "model")
         if name not in models:
-            raise OpenAIError(404, f"The model `{name}` does not exist; the generate models are {sorted(models)}",
-                              "model_not_found", "model")
+            refusal = self._not_serving(name)
+            if refusal is not None:
+                raise refusal
+            state, reason = self._not_ready.get(name, ("", ""))
+            where = (f" (it is in the repository, {state or 'not loaded'}{': ' + reason if reason else ''})"
+                     if name in self._not_ready else "")
+            raise OpenAIError(404, f"The model `{name}` does not exist{where}; the generate models are "
+                              f"{sorted(models)}", "model_not_found", "model")
         return models[name]
 
     async def tokenizer(self, model: ModelInfo):

@@ -1,0 +1,163 @@
+"""`POST /v1/embeddings` end to end: the real `openai` SDK -> our OpenAI server -> a real tritonserver
+serving minilm, against sentence-transformers' own vectors for the same texts."""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from prompts import LONG_TEXT
+
+openai = pytest.importorskip("openai")  # the test extra installs it (scripts/install.sh test)
+
+pytestmark = pytest.mark.server
+
+MODEL = "minilm"
+DIM = 384
+MAX_COSINE_DISTANCE = 1e-5  # as tests/test_embeddings.py pins the model itself
+TEXTS = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
+         "Ünïcödé, テキスト, 中文 and an emoji 🙂", "x"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def api(minilm_server, tmp_path_factory):
+    """Our OpenAI server (its own process, as tritonllm-serve runs it) in front of the minilm tritonserver."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("openai-embeddings") / "openai.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "tritonllm.openai", "--triton-url", minilm_server.grpc_url,
+                                    "--port", str(port), "--log-level", "info"],
+                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, log.read_text(errors="replace")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, log.read_text(errors="replace")
+            time.sleep(0.5)
+        yield base
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    return openai.OpenAI(base_url=f"{api}/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def st_model():
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    from tritonllm.embeddings.config import resolve_embedding_model_dir
+
+    return sentence_transformers.SentenceTransformer(str(resolve_embedding_model_dir("default")), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(st_model) -> np.ndarray:
+    return st_model.encode(TEXTS, convert_to_numpy=True)
+
+
+def _assert_close(ours, ref: np.ndarray) -> None:
+    ours = np.asarray(ours, dtype=np.float32)
+    assert ours.shape == ref.shape
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+    cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
+    assert (1 - cos).max() < MAX_COSINE_DISTANCE, 1 - cos
+
+
+def test_floats_and_usage_match_sentence_transformers(client, reference, st_model):
+    response = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    assert response.model == MODEL and response.object == "list"
+    assert [d.index for d in response.data] == list(range(len(TEXTS)))
+    _assert_close([d.embedding for d in response.data], reference)
+    tokens = sum(len(ids) for ids in st_model.tokenizer(TEXTS)["input_ids"])  # [CLS] and [SEP] included
+    assert response.usage.prompt_tokens == tokens == response.usage.total_tokens
+
+
+def test_base64_is_the_same_vectors(api, client, reference):
+    # The SDK asks for base64 when the caller names no format, and decodes it itself.
+    sdk = client.embeddings.create(model=MODEL, input=TEXTS[0])
+    _assert_close([sdk.data[0].embedding], reference[:1])
+    status, body = _post(f"{api}/v1/embeddings", {"model": MODEL, "input": TEXTS[:2], "encoding_format": "base64"})
+    assert status == 200, body
+    raw = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in body["data"]]
+    floats = client.embeddings.create(model=MODEL, input=TEXTS[:2], encoding_format="float")
+    np.testing.assert_array_equal(np.stack(raw), np.array([d.embedding for d in floats.data], dtype=np.float32))
+
+
+def test_token_ids_embed_as_their_text(client, reference, st_model):
+    ids = [st_model.tokenizer(t)["input_ids"] for t in TEXTS[:3]]
+    one = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
+    _assert_close([one.data[0].embedding], reference[:1])
+    assert one.usage.prompt_tokens == len(ids[0])
+    many = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    _assert_close([d.embedding for d in many.data], reference[:3])
+
+
+def test_models_lists_the_embedding_model(client):
+    assert MODEL in [m.id for m in client.models.list().data]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    ({"input": "hi", "dimensions": 128}, 400, "dimensions", "matryoshka"),
+    ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format", "encoding_format"),
+    ({"input": []}, 400, "input", "non-empty"),
+    ({"input": ["hi", ""]}, 400, "input", "input[1] is an empty string"),
+    ({"input": ["hi", [101, 102]]}, 400, "input", "mixes"),
+    ({"input": [[101, 999999, 102]]}, 400, "input", "token ids must be in"),
+    ({"input": [[7592, 2088]]}, 400, "input", "not this model's tokenization"),  # no [CLS] / [SEP]
+    ({"input": [LONG_TEXT * 2]}, 400, "input", "max_model_len"),  # the model's own refusal, passed on
+    ({"model": "nonesuch", "input": "hi"}, 404, "model", "nonesuch"),
+])
+def test_bad_requests_get_openai_errors(api, body, status, param, words):
+    got, answer = _post(f"{api}/v1/embeddings", {"model": MODEL, **body})
+    assert got == status, answer
+    error = answer["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_the_model_dimension_and_sdk_errors(client, reference):
+    same = client.embeddings.create(model=MODEL, input=TEXTS[0], dimensions=DIM, encoding_format="float")
+    _assert_close([same.data[0].embedding], reference[:1])
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=MODEL, input="hi", dimensions=64)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="nonesuch", input="hi")
