@@ -218,24 +218,6 @@ void screen_tile(const uint8_t* xq, const float* s, const float* sb, const Int8H
   }
 }
 
-// The tokens j < vocab of one row with hi[j] >= floor, in order.
-void collect_candidates(const float* hi, int64_t vocab, float floor, std::vector<int64_t>& cand) {
-  int64_t j = 0;
-#if TRITONLLM_INT8_SCREEN == 512
-  const __m512 vfloor = _mm512_set1_ps(floor);
-  for (; j + 16 <= vocab; j += 16)
-    for (uint32_t hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(hi + j), vfloor, _CMP_GE_OQ); hit; hit &= hit - 1)
-      cand.push_back(j + __builtin_ctz(hit));
-#else
-  const __m256 vfloor = _mm256_set1_ps(floor);
-  for (; j + 8 <= vocab; j += 8)
-    for (uint32_t hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(hi + j), vfloor, _CMP_GE_OQ)); hit; hit &= hit - 1)
-      cand.push_back(j + __builtin_ctz(hit));
-#endif
-  for (; j < vocab; ++j)
-    if (hi[j] >= floor) cand.push_back(j);
-}
-
 template <class D, int Q>
 void screen_rows(const float* xp, int64_t rows, const Int8Head& head, int64_t groups, const float* wp, int64_t vocab,
                  float* hi, int64_t* ip, int64_t* cp) {
@@ -268,7 +250,7 @@ void screen_rows(const float* xp, int64_t rows, const Int8Head& head, int64_t gr
     for (int64_t r = begin; r < end; ++r) {
       if (!finite[r]) continue;  // NaN or inf in x: no logit means anything; id 0, no candidates
       cand.clear();
-      collect_candidates(hi + r * ldh, vocab, floor[r], cand);
+      tritonllm::collect_candidates(hi + r * ldh, nullptr, 0.f, vocab, floor[r], cand);
       ip[r] = tritonllm::rescored_argmax(xp + r * k, k, wp, cand);
       cp[r] = static_cast<int64_t>(cand.size());
     }
