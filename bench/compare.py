@@ -251,6 +251,11 @@ class Comparison:
                 m["decode_step"] = roofline.decode_step(self.model_dir, a.threads, prompts[:a.decode_batch],
                                                         batch=a.decode_batch, steps=a.decode_steps)
                 m["utilisation"] = roofline.utilisation(m["decode_step"], m["gemm"])
+            if self.scenario.max_concurrency == 1:  # one user: how near one stream runs to the memory's rate
+                first = build_requests(self.scenario, 1)[0]
+                m["one_stream"] = roofline.one_stream(
+                    self.model_dir, a.threads, prompt_token_ids(self.tokenizer, first.prompt, self.scenario.chat_template),
+                    tokens=first.max_tokens)
             print(report.machine_section(m), flush=True)
         except Exception:  # noqa: BLE001 - the comparison is still worth finishing
             traceback.print_exc()

@@ -190,6 +190,16 @@ def machine_section(machine: dict) -> str:
                 f"{util['pct_of_decode_linear']:.0f} % of the decode-shaped rate; "
                 f"{util['pct_of_mm_2048_with_attention']:.0f} % counting attention; fastest step "
                 f"{1e3 * step['step_s_min']:.1f} ms = {util['pct_of_mm_2048_best_step']:.0f} %)")
+    one = machine.get("one_stream")
+    if one:
+        bw = one["read_bandwidth"]
+        lines.append(
+            f"- one stream (offline Engine, {one['tokens']} tokens, {one['tokens_per_step']:.2f} per step): "
+            f"{one['ms_per_token_median']:.2f} ms per token (median; best {one['ms_per_token_best']:.2f}); a token reads "
+            f"{one['bytes_per_token'] / 1e6:.1f} MB ({one['weight_bytes'] / 1e6:.1f} MB of weights + the KV of "
+            f"{one['mean_context']:.0f} tokens of context); memory read rate {bw['gbps_best']:.1f} GB/s "
+            f"({bw['threads']} threads) -> {one['bandwidth_bound_ms']:.2f} ms per token at that rate = "
+            f"**{one['pct_of_bandwidth']:.0f} % of the bandwidth bound**")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""How close the engine runs to this machine's limit: GEMM rates, KV bytes per token, decode step.
+"""How close the engine runs to this machine's limit: GEMM rates, KV bytes per token, decode step, one stream.
 
 All measured in the benchmark's own process at the same torch thread count, so "% of GEMM rate"
 compares numbers taken minutes apart on the same (possibly shared) machine:
@@ -11,6 +11,9 @@ compares numbers taken minutes apart on the same (possibly shared) machine:
 - Decode step at batch 64: the offline Engine (warm) with 64 sequences all decoding; `step()`
   wall time, split into `runner.execute` (forward + head + the one device-to-host copy) and the
   rest (scheduling, input preparation, output handling: host time).
+- One stream: one sequence alone, its time per output token beside the bytes a token reads (each
+  weight once, in the form the kernels read at one row, plus the context's KV) and the memory read rate
+  measured in the same process: bytes / rate is the token's floor on this machine.
 FLOPs of one decode step: 2 x batch x (every Linear weight of the decoder layers + the LM head),
 counted from the loaded model; attention over the context is reported apart (it grows with it).
 """
@@ -181,6 +184,80 @@ def decode_step(model_dir: Path, threads: int, prompt_ids: list[list[int]], batc
     }
     del engine
     return result
+
+
+def read_bandwidth(threads: int, megabytes: int = 1024, repeats: int = 5) -> dict:
+    """The machine's memory read rate as the engine's threads see it: GB/s of a sum over a float32 buffer
+    far larger than the caches (best and median of `repeats`)."""
+    torch.set_num_threads(threads)
+    buf = torch.ones(megabytes * (1 << 20) // 4)
+    buf.sum()
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        rates.append(buf.numel() * 4 / (time.perf_counter() - t) / 1e9)
+    return {"threads": threads, "megabytes": megabytes, "gbps_best": max(rates), "gbps_median": statistics.median(rates)}
+
+
+def one_row_bytes(engine) -> dict:
+    """The bytes one decode row reads from each weight, as the engine's kernels read them: a CPU weight kept
+    as exact quantized blocks is read in those blocks at one row, else in its packed or plain form."""
+    from tritonllm.layers.linear import Linear
+
+    weights, seen = 0, set()
+    for module in engine.runner.model.modules():
+        if not isinstance(module, Linear):
+            continue
+        packed = module.packed
+        if packed is not None and getattr(packed, "reads_blocks", None) and packed.reads_blocks(1):
+            tensors = list(packed.blocks)
+        elif packed is not None and getattr(packed, "data", None) is not None:
+            tensors = [packed.data]
+        else:
+            tensors = [module.weight] if module.weight is not None else []
+        for t in tensors:
+            if t.data_ptr() not in seen:  # a form two modules share (a fused or tied weight) is read once
+                weights += t.numel() * t.element_size()
+                seen.add(t.data_ptr())
+    return {"weights": weights, "kv_per_context_token": engine.runner.kv_plan.kv_bytes_per_token}
+
+
+def one_stream(model_dir: Path, threads: int, prompt_ids: list[int], tokens: int = 256) -> dict:
+    """One sequence alone, as a single user's request: the offline Engine's time per output token (median of
+    its decode steps, speculation as served), beside the bytes a token reads (weights once, plus the KV of
+    the context so far) and the memory read rate measured here: the token's lower bound in time, unless
+    accepted drafts (`tokens_per_step` above 1) share a step's reads between tokens."""
+    from tritonllm.core.config import EngineConfig
+    from tritonllm.engine.engine import Engine
+
+    engine = Engine(EngineConfig.from_parameters(model=str(model_dir), device="cpu", dtype="float32",
+                                                 num_threads=threads, max_num_seqs=4))
+    params = {"max_tokens": tokens, "ignore_eos": True, "temperature": 0.0}
+    engine.generate(prompt_token_ids=[prompt_ids], params={**params, "max_tokens": 8})  # warm
+    rid = engine.add_request(prompt_token_ids=prompt_ids, params=params)
+    times, made, steps, last = [], 0, 0, time.perf_counter()
+    while made < tokens:
+        outs = engine.step()
+        now = time.perf_counter()
+        new = sum(len(o.new_token_ids) for o in outs if o.request_id == rid)
+        if made and new:  # decode steps only (the first is the prompt's)
+            times.append((now - last) / new)
+            steps += 1
+        made += new
+        last = now
+        if any(o.finished for o in outs if o.request_id == rid):
+            break
+    sizes = one_row_bytes(engine)
+    mean_context = len(prompt_ids) + made / 2
+    per_token = sizes["weights"] + sizes["kv_per_context_token"] * mean_context
+    bandwidth = read_bandwidth(threads)
+    del engine
+    ms = 1e3 * statistics.median(times)
+    bound_ms = 1e3 * per_token / (bandwidth["gbps_best"] * 1e9)
+    return {"tokens": made, "tokens_per_step": (made - 1) / max(steps, 1), "ms_per_token_median": ms, "ms_per_token_best": 1e3 * min(times),
+            "bytes_per_token": per_token, "weight_bytes": sizes["weights"], "mean_context": mean_context,
+            "read_bandwidth": bandwidth, "bandwidth_bound_ms": bound_ms, "pct_of_bandwidth": 100 * bound_ms / ms}
 
 
 def utilisation(step: dict, gemm: dict) -> dict:

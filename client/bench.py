@@ -98,7 +98,7 @@ def run_requests(pool: ClientPool, scenario: Scenario, specs: list[RequestSpec],
             bar.set_postfix(tok=out_tokens[0], failed=failed, refresh=False)
             bar.update(1)
 
-    workers = max(1, min(n, max_concurrency))
+    workers = max(1, min(n, scenario.max_concurrency or max_concurrency))
     ex = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench")
     futures = []
     try:

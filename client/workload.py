@@ -10,6 +10,7 @@ A scenario file looks like::
     output_len: {dist: uniform, min: 8, max: 16}     # in tokens (max_tokens with ignore_eos)
     chat_template: true
     ignore_eos: true          # default true: every request produces exactly output_len tokens
+    max_concurrency: 1        # optional: requests in flight at most (1: one stream at a time)
     temperature: 0.0          # default greedy
 
 Lengths: `prompt_len` counts words of English text (about 1.1 tokens per word for SmolLM2's
@@ -152,6 +153,7 @@ class Scenario:
     temperature: float = 0.0
     description: str = ""
     source: Optional[str] = None
+    max_concurrency: Optional[int] = None  # requests in flight at most (1: one stream); None: the sender's limit
 
     @property
     def arrival(self) -> str:
@@ -160,13 +162,13 @@ class Scenario:
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("name", "num_requests", "interval_s", "rate", "seed",
                                             "prompt_len", "output_len", "chat_template", "ignore_eos",
-                                            "temperature", "source")}
+                                            "temperature", "source", "max_concurrency")}
         d["arrival"] = self.arrival
         return d
 
 
 _KEYS = {"name", "description", "num_requests", "interval_s", "rate", "seed", "prompt_len",
-         "output_len", "chat_template", "ignore_eos", "temperature"}
+         "output_len", "chat_template", "ignore_eos", "temperature", "max_concurrency"}
 
 
 def scenario_from_dict(data: dict, source: Optional[str] = None) -> Scenario:
@@ -191,6 +193,9 @@ def scenario_from_dict(data: dict, source: Optional[str] = None) -> Scenario:
         raise ValueError("interval_s must be >= 0")
     if rate is not None and float(rate) <= 0:
         raise ValueError("rate must be > 0")
+    limit = data.get("max_concurrency")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError("max_concurrency must be an integer >= 1")
     return Scenario(
         name=str(data.get("name") or (Path(source).stem if source else "scenario")),
         description=str(data.get("description", "")),
@@ -204,6 +209,7 @@ def scenario_from_dict(data: dict, source: Optional[str] = None) -> Scenario:
         ignore_eos=bool(data.get("ignore_eos", True)),
         temperature=float(data.get("temperature", 0.0)),
         source=source,
+        max_concurrency=limit,
     )
 
 

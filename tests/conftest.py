@@ -164,7 +164,8 @@ def pytest_terminal_summary(terminalreporter):
             kernels = (f"CPU kernels variant {cpu_kernels.variant()} with "
                        + ("packed GEMM" if cpu_kernels.packed_gemm_supported() else "no packed GEMM") + ", "
                        + ("BF16 GEMM" if cpu_kernels.packed_gemm_bf16_supported() else "no BF16 GEMM") + ", "
-                       + ("VNNI screen" if cpu_kernels.int8_screen_supported() else "no VNNI screen"))
+                       + (f"8-bit screen on {cpu_kernels.int8_screen_instructions()}"
+                          if cpu_kernels.int8_screen_supported() else "no 8-bit screen"))
         else:
             kernels = f"CPU kernels variant {cpu_kernels.variant()} not built ({cpu_kernels.error()})"
     except Exception as exc:  # noqa: BLE001 - a summary line, never a failure

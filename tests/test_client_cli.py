@@ -51,7 +51,8 @@ def test_bench_bad_scenario_fails_cleanly(tmp_path):
     assert "Traceback" not in proc.stderr and "unknown dist" in proc.stderr
 
 
-@pytest.mark.parametrize("name", ["smoke", "seed_replay", "seed_replay_saturating", "chat_mixed"])
+@pytest.mark.parametrize("name", ["smoke", "seed_replay", "seed_replay_saturating", "chat_mixed", "burst",
+                                  "single_stream"])
 def test_shipped_scenarios_are_valid_and_deterministic(name):
     from tritonllm_client.workload import build_requests, load_scenario
 
@@ -100,9 +101,12 @@ def test_distributions_and_overrides():
     assert [r.prompt for r in fixed] == [r.prompt for r in reqs[:10]]  # arrivals don't change prompts
     for bad in ({"num_requests": 1, "prompt_len": 0, "output_len": 4},
                 {"num_requests": 1, "prompt_len": 4, "output_len": 4, "rate": 1, "interval_s": 1},
-                {"num_requests": 1, "prompt_len": 4, "output_len": 4, "typo": 1}):
+                {"num_requests": 1, "prompt_len": 4, "output_len": 4, "typo": 1},
+                {"num_requests": 1, "prompt_len": 4, "output_len": 4, "max_concurrency": 0},
+                {"num_requests": 1, "prompt_len": 4, "output_len": 4, "max_concurrency": 1.5}):
         with pytest.raises(ValueError):
             scenario_from_dict(bad)
+    assert scenario_from_dict({"num_requests": 1, "prompt_len": 4, "output_len": 4}).max_concurrency is None
 
 
 def test_summary_statistics():
@@ -192,6 +196,20 @@ def test_bench_smoke_scenario(triton_server, tmp_path):
         assert 0 < st["min"] <= st["p50"] <= st["p90"] <= st["p99"] <= st["max"]
         assert st["mean"] > 0
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_with_max_concurrency_1_keeps_one_request_in_flight(triton_server, tmp_path):
+    """single_stream.yaml's regime: with `max_concurrency: 1` each request is sent only once the one before
+    it has ended, though the scenario sends them all at t=0."""
+    scenario, out = tmp_path / "one.yaml", tmp_path / "one.json"
+    scenario.write_text("name: one\nnum_requests: 3\ninterval_s: 0.0\nmax_concurrency: 1\n"
+                        "prompt_len: {dist: fixed, value: 8}\noutput_len: {dist: fixed, value: 6}\n")
+    proc = run_cli("bench", "--scenario", str(scenario), "--url", triton_server.grpc_url, "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reqs = sorted(json.loads(out.read_text())["runs"][0]["requests"], key=lambda r: r["send_time_s"])
+    assert len(reqs) == 3 and all(r["ok"] for r in reqs)
+    for before, after in zip(reqs, reqs[1:]):
+        assert after["send_time_s"] >= before["end_time_s"]
 
 
 @pytest.mark.server

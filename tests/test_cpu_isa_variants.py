@@ -119,17 +119,18 @@ def _default_variant() -> str:
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
 @pytest.mark.parametrize("name", [v.name for v in cpu_kernels.VARIANTS])
 def test_each_variant_this_cpu_runs_passes_the_kernel_tests(name):
-    """The default variant runs the whole suite; each other one this CPU can run passes
-    tests/test_cpu_kernels.py (its unit tier) in a process of its own (one variant per process), so
-    an AVX-512 machine also tests the AVX2 and scalar code paths. A variant not built yet (install.sh
-    builds them all) is built first."""
+    """The default variant runs the whole suite; each other one this CPU can run passes the kernel tests
+    (the unit tier of tests/test_cpu_kernels.py, test_greedy_screen.py and test_packed_gemm.py) in a
+    process of its own (one variant per process), so an AVX-512 machine also tests the AVX2 and scalar
+    code paths. A variant not built yet (install.sh builds them all) is built first."""
     runnable = cpu_kernels.runnable_variants(cpu_kernels._cpu_flags(), platform.machine())
     if name not in runnable:
         pytest.skip(f"this CPU cannot run the {name} variant")
     if name == _default_variant():
         pytest.skip(f"{name} is this CPU's default variant: the rest of the suite tests it")
-    done = subprocess.run([sys.executable, "-m", "pytest", str(REPO / "tests" / "test_cpu_kernels.py"), "-q",
-                           "-m", "unit", "-p", "no:cacheprovider"], env={**os.environ, cpu_kernels.ISA_ENV: name},
+    tests = [str(REPO / "tests" / f) for f in ("test_cpu_kernels.py", "test_greedy_screen.py", "test_packed_gemm.py")]
+    done = subprocess.run([sys.executable, "-m", "pytest", *tests, "-q", "-m", "unit", "-k", "not engine and not untied",
+                           "-p", "no:cacheprovider"], env={**os.environ, cpu_kernels.ISA_ENV: name},
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert f"CPU kernels variant {name} with" in done.stdout, done.stdout[-2000:]

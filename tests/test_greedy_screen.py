@@ -16,13 +16,18 @@ pytestmark = pytest.mark.unit
 
 avx512_bf16 = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.packed_gemm_bf16_supported()),
                                  reason="kernels built without AVX512-BF16 (not in this CPU, or not in the kernel variant TRITONLLM_CPU_ISA picks)")
-avx512_vnni = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.int8_screen_supported()),
-                                 reason="kernels built without AVX512-VNNI (not in this CPU, or not in the kernel variant TRITONLLM_CPU_ISA picks)")
-SCREENS = [pytest.param("int8", marks=avx512_vnni), pytest.param("bfloat16", marks=avx512_bf16)]
+int8_dots = pytest.mark.skipif(not (cpu_kernels.load() and cpu_kernels.int8_screen_supported()),
+                               reason="kernels built without AVX2 or AVX512-VNNI (the generic variant)")
+# "int8_avx2": x in 63 steps, as with plain AVX2's dot products (the avx2 variant runs them for it even on
+# a CPU with AVX-VNNI): every path a build has is tested on a CPU that runs it.
+SCREENS = [pytest.param("int8", marks=int8_dots), pytest.param("int8_avx2", marks=int8_dots),
+           pytest.param("bfloat16", marks=avx512_bf16)]
 
 
 def make_screen(kind: str, weight: torch.Tensor):
-    return Int8GreedyScreen(weight) if kind == "int8" else GreedyScreen(weight)
+    if kind == "bfloat16":
+        return GreedyScreen(weight)
+    return Int8GreedyScreen(weight, steps=63 if kind == "int8_avx2" else None)
 
 
 def float32_head_ids(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +39,7 @@ def float32_head_ids(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", SCREENS)
 @pytest.mark.parametrize("rows,vocab,hidden", [(1, 7, 37), (5, 1000, 576), (64, 49152, 576), (3, 40, 1), (6, 33, 64)])
 def test_screen_ids_equal_the_float32_head_including_ties(kind, rows, vocab, hidden):
-    if kind == "int8" and hidden % 32:
+    if kind.startswith("int8") and hidden % 32:
         with pytest.raises(ValueError, match="multiple of 32"):  # its scales cover blocks of 32 along K
             Int8GreedyScreen(torch.randn(vocab, hidden))
         return
@@ -82,21 +87,22 @@ def test_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_model(
     assert candidates.float().median() <= 4 and candidates.max() <= 64, candidates.tolist()
 
 
-@avx512_vnni
-def test_int8_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_model(real_head_and_hidden):
+@pytest.mark.parametrize("kind", [p for p in SCREENS if p.values[0].startswith("int8")])
+def test_int8_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_model(real_head_and_hidden, kind):
     """Real hidden states and the real (tied) head: the 8-bit logits, rebuilt in float64 from the packed
     codes and scales as the kernel computes them, within their bound of the float32 ones; the kernel's
     ids those of the float32 head, with a handful of the 49,152 tokens recomputed per row."""
     head, hidden = real_head_and_hidden
-    screen = Int8GreedyScreen(head)
+    screen = make_screen(kind, head)
+    steps = screen.steps  # x's: 127 with a VNNI dot product, 63 with plain AVX2's
     rows, k = hidden.shape
     vocab, blocks = head.shape[0], k // 32
     q = screen.codes.permute(0, 2, 1, 3).reshape(-1, k)[:vocab].double()  # back to [V, K]
     d, c = (t.permute(0, 2, 1).reshape(-1, blocks)[:vocab].double() for t in (screen.d, screen.c))
     xb = hidden.view(rows, blocks, 32)
     top = xb.abs().amax(dim=2, keepdim=True)
-    s = top / 127  # as the kernel rounds them, in float32
-    xq = torch.round(xb * (127 / top)).double()
+    s = top / steps  # as the kernel rounds them, in float32
+    xq = torch.round(xb * (steps / top)).double()
     dots = torch.einsum("rbk,vbk->rvb", xq, q.view(vocab, blocks, 32))
     approx = torch.einsum("rvb,rb,vb->rv", dots, s.squeeze(2).double(), d)
     bound = s.squeeze(2).double() @ c.T
@@ -104,7 +110,8 @@ def test_int8_screen_recomputes_few_tokens_and_its_bound_holds_on_the_packaged_m
     assert bool(((exact.double() - approx).abs() <= bound).all())
     got, candidates = screen(hidden)
     assert torch.equal(got, float32_head_ids(head, hidden))
-    assert candidates.float().median() <= 8 and candidates.max() <= 128, candidates.tolist()
+    room = 1 if steps == 127 else 2.5  # 63 steps: each bound twice as wide
+    assert candidates.float().median() <= 8 * room and candidates.max() <= 128 * 2 * room, candidates.tolist()
 
 
 def test_int8_bound_factors_cover_half_a_step_and_the_weight_residual():
@@ -133,7 +140,7 @@ def test_screen_rejects_bad_shapes_and_gives_id_0_for_a_nan_row():
         GreedyScreen(weight.double())
 
 
-@avx512_vnni
+@int8_dots
 def test_int8_screen_rejects_bad_shapes_and_handles_nan_zero_and_tiny_rows():
     weight = torch.randn(50, 64) * 0.05
     screen = Int8GreedyScreen(weight)
@@ -148,14 +155,16 @@ def test_int8_screen_rejects_bad_shapes_and_handles_nan_zero_and_tiny_rows():
     x[1, 3] = math.inf
     assert screen(x)[1][1] == 0
     with pytest.raises(RuntimeError, match="K a multiple of 32|weight float32"):
-        cpu_kernels.int8_greedy_screen(torch.randn(2, 63), screen.codes, screen.d, screen.negq, screen.c, weight)
+        cpu_kernels.int8_greedy_screen(torch.randn(2, 63), screen.codes, screen.d, screen.negq, screen.c, weight, screen.steps)
     with pytest.raises(RuntimeError, match="codes"):
-        cpu_kernels.int8_greedy_screen(x, screen.codes[:2].contiguous(), screen.d, screen.negq, screen.c, weight)
+        cpu_kernels.int8_greedy_screen(x, screen.codes[:2].contiguous(), screen.d, screen.negq, screen.c, weight, screen.steps)
+    with pytest.raises(RuntimeError, match="127 or 63 steps"):
+        cpu_kernels.int8_greedy_screen(x, screen.codes, screen.d, screen.negq, screen.c, weight, 100)
     with pytest.raises(ValueError, match="float32"):
         Int8GreedyScreen(weight.double())
 
 
-@pytest.mark.parametrize("kind", SCREENS)
+@pytest.mark.parametrize("kind", [p for p in SCREENS if p.values[0] != "int8_avx2"])
 def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_asked(model_dir, kind):
     from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
@@ -222,7 +231,7 @@ def test_an_untied_head_keeps_its_float32_rows_for_the_screen(model_dir, tmp_pat
     assert outputs[True] == outputs[False]
 
 
-@avx512_vnni
+@int8_dots
 @avx512_bf16
 def test_each_setting_builds_the_screens_it_names():
     """auto builds both to time them; true the first this CPU runs (the 8-bit one); int8 or bfloat16 that

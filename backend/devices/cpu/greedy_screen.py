@@ -10,8 +10,8 @@ tokens takes it for every row (runner/head.py).
 
 Two screens:
 - `Int8GreedyScreen` (csrc/int8_greedy_screen.cpp): x and the head in 8-bit blocks with their scales,
-  integer dot products (AVX512-VNNI, `kernels.int8_screen_supported()`), a bound per token from the
-  blocks' scales; a byte per weight beside the head.
+  integer dot products (AVX512-VNNI, AVX-VNNI or AVX2: `kernels.int8_screen_supported()`), a bound per
+  token from the blocks' scales; a byte per weight beside the head.
 - `GreedyScreen`: the bfloat16 GEMM (csrc/packed_gemm.cpp), a bound of ||x|| * col_bounds[j]
   (csrc/screened_greedy_head.cpp); AVX512-BF16 (`kernels.packed_gemm_bf16_supported()`), two bytes per
   weight. With `cpu_gemm=avx512_bf16` (every GEMM in bfloat16) it makes the head's choice the float32
@@ -74,7 +74,9 @@ class GreedyScreen:
 
 class Int8GreedyScreen:
     """`self(x)` -> (ids, candidates): argmax_j of float32 x @ weight[j], via the 8-bit screen
-    (csrc/int8_greedy_screen.cpp, AVX512-VNNI).
+    (csrc/int8_greedy_screen.cpp: AVX512-VNNI, AVX-VNNI or AVX2). `steps`: x is quantized to 127 steps with a
+    VNNI dot product, 63 with plain AVX2's (the default: what this CPU runs fastest); its bound terms are
+    packed for them.
 
     Per token and block of 32 values along K, the weight is packed as d * q with q in -127..127 and
     d = max |w| / 127, with the error terms the bound needs: per block, sum |w| and the residual
@@ -82,7 +84,7 @@ class Int8GreedyScreen:
     the tokens the screen cannot rule out are recomputed from it. It costs a byte per weight beside it.
     """
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, steps: int | None = None):
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % _BLOCK:
             raise ValueError(f"Int8GreedyScreen: float32 [vocab, hidden] weight with hidden a multiple of {_BLOCK}, "
                              f"got {weight.dtype} {tuple(weight.shape)}")
@@ -97,7 +99,8 @@ class Int8GreedyScreen:
         q = torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-127, 127)
         # In float32: its roundings are in int8_bound_factors. The sums in float64.
         residual = (w - scale * q).abs_().sum(dim=2, dtype=torch.float64)
-        a, e = int8_bound_factors(self.in_features)
+        self.steps = steps or cpu_kernels.int8_screen_steps()
+        a, e = int8_bound_factors(self.in_features, self.steps)
         c = magnitude.sum(dim=2, dtype=torch.float64) * a + residual * e
         padded = -(-self.vocab_size // (2 * _GROUP)) * (2 * _GROUP)  # whole tiles of 32 tokens
         codes = torch.zeros(padded, self.in_features, dtype=torch.int8)
@@ -109,12 +112,14 @@ class Int8GreedyScreen:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [rows, hidden] float32 (the final norm applied) -> (ids int64 [rows], tokens recomputed per row)."""
-        return cpu_kernels.int8_greedy_screen(x.contiguous(), self.codes, self.d, self.negq, self.c, self.weight)
+        return cpu_kernels.int8_greedy_screen(x.contiguous(), self.codes, self.d, self.negq, self.c, self.weight,
+                                              self.steps)
 
 
-def int8_bound_factors(in_features: int) -> tuple[float, float]:
+def int8_bound_factors(in_features: int, steps: int = 127) -> tuple[float, float]:
     """(a, e): per unit of a block's scale s of x, the 8-bit screen's error on a token is at most
-    a * sum |w| + e * sum |w - d q| over the block (csrc/int8_greedy_screen.cpp).
+    a * sum |w| + e * sum |w - d q| over the block (csrc/int8_greedy_screen.cpp), for x quantized to
+    `steps` (127 below; 63 on plain AVX2: s = max / 63, and each 127 that bounds x^ is 63).
 
     x - s x^ is at most half a step plus the roundings of 127 / max and of x * (127 / max) (4 units of
     float32 rounding on values up to 127, kept with room: 8); the weight's residual meets |x^| <= 127;
@@ -127,8 +132,8 @@ def int8_bound_factors(in_features: int) -> tuple[float, float]:
     gamma_k = in_features * u / (1 - in_features * u)
     blocks = in_features // _BLOCK
     gamma_b = (blocks + 2) * u / (1 - (blocks + 2) * u)
-    a = 0.5 + 127 * 8 * u + 127 * 2 * u + 127 * (1 + u) * gamma_k + 127 * gamma_b
-    e = 127 * (1 + 4 * u) + 127 * gamma_b
+    a = 0.5 + steps * 8 * u + steps * 2 * u + steps * (1 + u) * gamma_k + steps * gamma_b
+    e = steps * (1 + 4 * u) + steps * gamma_b
     return a * 1.01, e * 1.01
 
 
@@ -153,7 +158,7 @@ def fastest_screen(screens: list[GreedyScreen | Int8GreedyScreen], head: Callabl
     still does; timed once at load. None where no screen pays.
 
     Whether one pays depends on the CPU: the 8-bit dot products add twice the float32 FMAs' products on
-    every AVX-512 CPU with VNNI; the bfloat16 ones do on some (AMD Zen 4 and 5) and not on others (Intel
+    every CPU with VNNI (AVX-512 or AVX), a third more with plain AVX2's; the bfloat16 ones do on some (AMD Zen 4 and 5) and not on others (Intel
     Xeons without AMX), while a float32 head on exact 8-bit blocks reads fewer bytes than a bfloat16 copy.
     Many rows favour a screen most, so fewer are tried only once it pays there. Each screen is timed whole,
     its recheck of the tokens it cannot rule out included, on random hidden states.

@@ -35,7 +35,7 @@ def build_screens(greedy_screen: str, head_weight: torch.Tensor) -> list[Screen]
         if screens and greedy_screen == "true":
             break
         if kind == "int8" and not kernels.int8_screen_supported():
-            missing.append("AVX512-VNNI")
+            missing.append("AVX2 or AVX512-VNNI")
         elif kind == "int8" and head_weight.shape[1] % 32:
             missing.append(f"a hidden size that is a multiple of 32 (it is {head_weight.shape[1]})")
         elif kind == "int8":
@@ -102,4 +102,6 @@ class CpuGreedyHead(GreedyHead):
         fused = "C++ argmax + log-prob" if self.fused else "torch"
         if self.screen is None:
             return f"{fused}, no screen ({self.screen_off})"
-        return f"{fused}, {self.screen_kind()} screen from {self.screen_min_rows} rows"
+        kind = self.screen_kind()
+        on = f" ({kernels.int8_screen_instructions()})" if kind == "int8" else ""
+        return f"{fused}, {kind} screen{on} from {self.screen_min_rows} rows"

@@ -363,15 +363,27 @@ def screened_greedy_head(x: torch.Tensor, approx: torch.Tensor, weight: torch.Te
 
 
 def int8_screen_supported() -> bool:
-    """Whether the 8-bit greedy screen runs here: the avx512_bf16 variant (AVX-512 VNNI, fixed at build time)."""
+    """Whether the 8-bit greedy screen runs here: the avx512_bf16 variant (AVX512-VNNI) and the avx2 one."""
     return load() and bool(torch.ops.tritonllm.int8_screen_supported())
 
 
+def int8_screen_instructions() -> str:
+    """The integer dot products the 8-bit screen runs on here: "AVX512-VNNI", "AVX-VNNI" (the avx2 variant
+    on a CPU that has it) or "AVX2"; "" without the screen."""
+    return str(torch.ops.tritonllm.int8_screen_instructions()) if load() else ""
+
+
 def int8_greedy_screen(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, negq: torch.Tensor, c: torch.Tensor,
-                       weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       weight: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 argmax of x @ weight^T through the 8-bit screen (greedy_screen.Int8GreedyScreen packs the
-    rest): x [rows, K], weight [V, K] float32 -> (ids int64 [rows], tokens recomputed per row int64 [rows])."""
-    return torch.ops.tritonllm.int8_greedy_screen(x, codes, d, negq, c, weight)
+    rest, c for `steps`): x [rows, K], weight [V, K] float32 -> (ids int64 [rows], tokens recomputed per row
+    int64 [rows]). x is quantized to `steps` 127 (a VNNI dot product) or 63 (plain AVX2's)."""
+    return torch.ops.tritonllm.int8_greedy_screen(x, codes, d, negq, c, weight, steps)
+
+
+def int8_screen_steps() -> int:
+    """The steps x is quantized to by the fastest integer dot product here: 127 with VNNI, 63 with plain AVX2."""
+    return 127 if int8_screen_instructions() in ("AVX512-VNNI", "AVX-VNNI") else 63
 
 
 def main() -> None:

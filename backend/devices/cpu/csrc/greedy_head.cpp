@@ -19,7 +19,7 @@
 #include <limits>
 #include <tuple>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -45,6 +45,38 @@ int64_t first_argmax(const float* x, int64_t n, float& best) {
     best = _mm512_reduce_max_ps(vbest);
     const __mmask16 holding = _mm512_cmp_ps_mask(vbest, _mm512_set1_ps(best), _CMP_EQ_OQ);
     arg = _mm512_mask_reduce_min_epi32(holding, varg);
+  }
+#elif defined(__AVX2__)
+  // Four lanes of 8 side by side: one would wait on its compare-and-blend chain every 8 values.
+  constexpr int kSets = 4;
+  if (n >= 8 * kSets) {
+    __m256 vbest[kSets];
+    __m256i varg[kSets], vidx[kSets];
+    for (int s = 0; s < kSets; ++s) {
+      vbest[s] = _mm256_set1_ps(-FLT_MAX);
+      varg[s] = _mm256_setzero_si256();
+      vidx[s] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * s));
+    }
+    const __m256i step = _mm256_set1_epi32(8 * kSets);
+    for (; i + 8 * kSets <= n; i += 8 * kSets)
+      for (int s = 0; s < kSets; ++s) {
+        const __m256 v = _mm256_loadu_ps(x + i + 8 * s);
+        const __m256 more = _mm256_cmp_ps(v, vbest[s], _CMP_GT_OQ);  // strict: a lane keeps its first
+        vbest[s] = _mm256_blendv_ps(vbest[s], v, more);
+        varg[s] = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(varg[s]), _mm256_castsi256_ps(vidx[s]), more));
+        vidx[s] = _mm256_add_epi32(vidx[s], step);
+      }
+    alignas(32) float lane_best[8 * kSets];
+    alignas(32) int32_t lane_arg[8 * kSets];
+    for (int s = 0; s < kSets; ++s) {
+      _mm256_store_ps(lane_best + 8 * s, vbest[s]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lane_arg + 8 * s), varg[s]);
+    }
+    for (int l = 0; l < 8 * kSets; ++l) best = std::max(best, lane_best[l]);
+    arg = n;
+    for (int l = 0; l < 8 * kSets; ++l)
+      if (lane_best[l] == best) arg = std::min<int64_t>(arg, lane_arg[l]);
   }
 #endif
   for (; i < n; ++i)

@@ -2,24 +2,31 @@
 // dot products and bounded, then the few tokens the bounds cannot rule out recomputed in float32.
 //
 // Why: a greedy row that wants no log-prob needs only the argmax of its float32 logits, and the LM head
-// is the largest GEMM of a small model's decode step. AVX512-VNNI's `vpdpbusd` adds 64 byte products
-// per instruction where a float32 FMA adds 16, so on the CPUs that have it (Intel since Cascade Lake,
-// AMD since Zen 4) the 8-bit pass costs about half the float32 head; the bfloat16 screen
+// is the largest GEMM of a small model's decode step. The 8-bit pass reads a quarter of the float32
+// head's bytes and adds more products per instruction: AVX512-VNNI's `vpdpbusd` adds 64 byte products
+// where a float32 FMA adds 16; AVX-VNNI's (the same instruction on 256 bits) 32 where an AVX2 FMA adds 8;
+// plain AVX2's `vpmaddubsw` + `vpmaddwd` + `vpaddd` 32 in three instructions. The bfloat16 screen
 // (screened_greedy_head.cpp) gains that only where the bfloat16 dot products run at twice the FMAs' rate.
 //
-// The approximation, per row x and block b of 32 values along K: s_b = max|x_b| / 127 and
-// x^_k = round(x_k / s_b) in -127..127; per token j, W's block as d_jb * q_jk with q in -127..127
+// The approximation, per row x and block b of 32 values along K: s_b = max|x_b| / Q and
+// x^_k = round(x_k / s_b) in -Q..Q; per token j, W's block as d_jb * q_jk with q in -127..127
 // (devices/cpu/greedy_screen.py packs them and their error terms at load). Then
 //     a_j = sum_b s_b d_jb sum_k q_jk x^_k,        |exact_j - a_j| <= B_j = sum_b s_b c_jb,
 // where c_jb (from Python, rounded up) bounds, per unit of s_b, the error of x^ (half a step times
-// sum |w|), the weight's own residual (127 times sum |w - d q|) and the float32 roundings of both sums.
-// With L = max_j (a_j - B_j), a token with a_j + B_j < L is below some other token's exact logit, so it
-// is neither the argmax nor tied with it; the rest are recomputed (screen_rescore.h).
+// sum |w|), the weight's own residual (127 times sum |w - d q|, as |x^| <= Q <= 127) and the float32
+// roundings of both sums. With L = max_j (a_j - B_j), a token with a_j + B_j < L is below some other
+// token's exact logit, so it is neither the argmax nor tied with it; the rest are recomputed
+// (screen_rescore.h).
+//
+// Q (`steps`) is 127 where the CPU has a VNNI dot product. Plain AVX2's `vpmaddubsw` adds two products
+// u8 * s8 in saturating int16, so there x is quantized to Q = 63 (stored as x^ + 64 in 1..127), which
+// keeps 2 * 127 * 127 inside int16; c is then packed for 63 steps (greedy_screen.py).
 //
 // Layout (padded tokens have zero codes and scales and are never candidates):
-//   codes [V' / 16, K / 4, 16, 4] int8 (V' = V padded to a multiple of 32): for 16 tokens, each k quad as one zmm of 16 int32 lanes;
-//   d, c [V' / 16, K / 32, 16] float32; negq [V' / 16, K / 32, 16] int32: -128 * sum_k q_jk, since x^ is
-//   stored as x^ + 128 (vpdpbusd multiplies unsigned bytes of x by signed bytes of W).
+//   codes [V' / 16, K / 4, 16, 4] int8 (V' = V padded to a multiple of 32): for 16 tokens, each k quad as
+//   16 int32 lanes (one zmm, or two ymm); d, c [V' / 16, K / 32, 16] float32; negq [V' / 16, K / 32, 16]
+//   int32: -128 * sum_k q_jk, since x^ is stored as x^ + 128 (the dot products multiply unsigned bytes
+//   of x by signed bytes of W; halved for the offset of 64).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,30 +41,87 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define TRITONLLM_INT8_SCREEN 512
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TRITONLLM_INT8_SCREEN 256
+#include <immintrin.h>
+#else
+#define TRITONLLM_INT8_SCREEN 0
 #endif
 
 namespace {
 
-constexpr int64_t kGroup = 16;  // tokens per zmm of int32 lanes
+constexpr int64_t kGroup = 16;  // tokens per group: their int32 lanes are one zmm or two ymm
 constexpr int64_t kBlock = 32;  // k values per scale of x and of W
 
-bool int8_screen_supported() {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-  return true;
+#if TRITONLLM_INT8_SCREEN == 256
+// AVX-VNNI (Intel since Alder Lake and Sierra Forest, AMD since Zen 5) is not part of x86-64-v3, so the
+// avx2 build asks the CPU at run time and emits the instruction itself.
+bool cpu_has_avx_vnni() {
+  static const bool has = __builtin_cpu_supports("avxvnni");
+  return has;
+}
+#endif
+
+std::string int8_screen_instructions() {
+#if TRITONLLM_INT8_SCREEN == 512
+  return "AVX512-VNNI";
+#elif TRITONLLM_INT8_SCREEN == 256
+  return cpu_has_avx_vnni() ? "AVX-VNNI" : "AVX2";
 #else
-  return false;
+  return "";
 #endif
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+bool int8_screen_supported() { return TRITONLLM_INT8_SCREEN != 0; }
+
+#if TRITONLLM_INT8_SCREEN
+
+// The integer dot products, one policy per instruction set: how many int32 lanes a vector has, how many
+// 16-token groups a tile takes (as many as keep R rows' accumulators in registers), x's range Q, and
+// acc += the sums of four u8 * s8 products per lane.
+#if TRITONLLM_INT8_SCREEN == 512
+struct ZmmVnni {
+  static constexpr int kLanes = 16, kTileGroups = 2;
+  typedef int32_t vi __attribute__((vector_size(64)));
+  typedef float vf __attribute__((vector_size(64)));
+  static vi load(const void* p) { return (vi)_mm512_loadu_si512(p); }
+  static vi splat(int32_t x) { return (vi)_mm512_set1_epi32(x); }
+  static vi dot(vi acc, vi x, vi w) { return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)x, (__m512i)w); }
+};
+#else
+struct YmmAvxVnni {
+  static constexpr int kLanes = 8, kTileGroups = 1;
+  typedef int32_t vi __attribute__((vector_size(32)));
+  typedef float vf __attribute__((vector_size(32)));
+  static vi load(const void* p) { return (vi)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static vi splat(int32_t x) { return (vi)_mm256_set1_epi32(x); }
+  static vi dot(vi acc, vi x, vi w) {
+    __m256i a = (__m256i)acc;
+    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(a) : "x"((__m256i)x), "x"((__m256i)w));  // not in -march=x86-64-v3
+    return (vi)a;
+  }
+};
+struct YmmAvx2 {  // x in 63 steps only (see the top)
+  static constexpr int kLanes = 8, kTileGroups = 1;
+  typedef int32_t vi __attribute__((vector_size(32)));
+  typedef float vf __attribute__((vector_size(32)));
+  static vi load(const void* p) { return YmmAvxVnni::load(p); }
+  static vi splat(int32_t x) { return YmmAvxVnni::splat(x); }
+  static vi dot(vi acc, vi x, vi w) {
+    const __m256i pairs = _mm256_maddubs_epi16((__m256i)x, (__m256i)w);  // |sum| <= 2 * 127 * 127: no saturation
+    return acc + (vi)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  }
+};
+#endif
 
 constexpr int kRows = 4;                 // rows per tile
-constexpr int kGroups = 2;               // token groups per tile (32 tokens)
 constexpr int64_t kClaimsPerThread = 8;  // tile runs each thread claims (claimed_chunks.h)
 
 struct Int8Head {
@@ -68,11 +132,13 @@ struct Int8Head {
   int64_t k, blocks;
 };
 
-// x row -> its codes (x^ + 128) and per block the scale of the approximation (s) and of the bound (sb).
-// A block too small for 127 / max to stay finite is left out of the approximation (x^ = 0, s = 0) and
+// x row -> its codes (x^ + Q + 1) and per block the scale of the approximation (s) and of the bound (sb).
+// A block too small for Q / max to stay finite is left out of the approximation (x^ = 0, s = 0) and
 // bounded by its size instead: |x_k| <= max = sb / 2, and c_jb >= sum |w| / 2. Returns false for a row
 // with a NaN or an infinity, which has no argmax to find.
+template <int Q>
 bool quantize_row(const float* x, int64_t k, uint8_t* xq, float* s, float* sb) {
+  constexpr int offset = Q + 1;
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float mx = 0.f;
@@ -84,77 +150,125 @@ bool quantize_row(const float* x, int64_t k, uint8_t* xq, float* s, float* sb) {
     }
     if (mx < 1e-30f) {
       s[b] = 0.f, sb[b] = 2.f * mx;
-      std::fill(xq + b * kBlock, xq + (b + 1) * kBlock, uint8_t{128});
+      std::fill(xq + b * kBlock, xq + (b + 1) * kBlock, static_cast<uint8_t>(offset));
       continue;
     }
-    s[b] = sb[b] = mx / 127.f;
-    const float inv = 127.f / mx;
+    s[b] = sb[b] = mx / Q;
+    const float inv = Q / mx;
     for (int i = 0; i < kBlock; ++i) {
-      const float v = std::nearbyint(xb[i] * inv);  // |v| <= 127: x * inv <= 127 (1 + 3u) rounds to 127 at most
-      xq[b * kBlock + i] = static_cast<uint8_t>(static_cast<int>(v) + 128);
+      const float v = std::nearbyint(xb[i] * inv);  // |v| <= Q: x * inv <= Q (1 + 3u) rounds to Q at most
+      xq[b * kBlock + i] = static_cast<uint8_t>(static_cast<int>(v) + offset);
     }
   }
   return true;
 }
 
-// Rows r0.. r0 + R (their codes xq [R, K], scales s, sb [R, blocks]) against token groups g0.. g0 + kGroups:
+// Rows r0.. r0 + R (their codes xq [R, K], scales s, sb [R, blocks]) against the tile's token groups from g0:
 // writes a_j + B_j to hi and raises floor[r] to max_j (a_j - B_j).
-template <int R>
+template <class D, int Q, int R>
 void screen_tile(const uint8_t* xq, const float* s, const float* sb, const Int8Head& h, int64_t g0, float* hi,
                  int64_t ldh, float* floor) {
-  __m512 approx[R][kGroups], bound[R][kGroups];
+  using vi = typename D::vi;
+  using vf = typename D::vf;
+  constexpr int L = D::kLanes, PerGroup = kGroup / L, V = D::kTileGroups * PerGroup;  // vectors across the tile
+  vf approx[R][V], bound[R][V];
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < kGroups; ++g) approx[r][g] = bound[r][g] = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) approx[r][v] = bound[r][v] = vf{};
   const int64_t quads = h.k / 4;
   for (int64_t b = 0; b < h.blocks; ++b) {
-    __m512i acc[R][kGroups];
-    for (int g = 0; g < kGroups; ++g) {
-      const __m512i init = _mm512_loadu_si512(h.negq + ((g0 + g) * h.blocks + b) * kGroup);
-      for (int r = 0; r < R; ++r) acc[r][g] = init;
+    vi acc[R][V];
+    for (int v = 0; v < V; ++v) {
+      // negq is -128 * sum q, for x^ + 128; x^ + 64 needs half of it (exact: it is even).
+      const vi init = D::load(h.negq + ((g0 + v / PerGroup) * h.blocks + b) * kGroup + (v % PerGroup) * L) >> (Q == 63);
+      for (int r = 0; r < R; ++r) acc[r][v] = init;
     }
 #pragma GCC unroll 8
     for (int64_t i = 0; i < kBlock / 4; ++i) {
       const int64_t quad = b * (kBlock / 4) + i;
-      __m512i w[kGroups];
-      for (int g = 0; g < kGroups; ++g) w[g] = _mm512_loadu_si512(h.codes + ((g0 + g) * quads + quad) * 64);
+      vi w[V];
+      for (int v = 0; v < V; ++v) w[v] = D::load(h.codes + ((g0 + v / PerGroup) * quads + quad) * 64 + (v % PerGroup) * L * 4);
       for (int r = 0; r < R; ++r) {
-        const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * h.k + quad * 4));
-        for (int g = 0; g < kGroups; ++g) acc[r][g] = _mm512_dpbusd_epi32(acc[r][g], xb, w[g]);
+        int32_t quad_bytes;
+        std::memcpy(&quad_bytes, xq + r * h.k + quad * 4, sizeof quad_bytes);
+        const vi xb = D::splat(quad_bytes);
+        for (int v = 0; v < V; ++v) acc[r][v] = D::dot(acc[r][v], xb, w[v]);
       }
     }
-    for (int g = 0; g < kGroups; ++g) {
-      const __m512 dv = _mm512_loadu_ps(h.d + ((g0 + g) * h.blocks + b) * kGroup);
-      const __m512 cv = _mm512_loadu_ps(h.c + ((g0 + g) * h.blocks + b) * kGroup);
+    for (int v = 0; v < V; ++v) {
+      const int64_t at = ((g0 + v / PerGroup) * h.blocks + b) * kGroup + (v % PerGroup) * L;
+      vf dv, cv;
+      std::memcpy(&dv, h.d + at, sizeof dv);
+      std::memcpy(&cv, h.c + at, sizeof cv);
       for (int r = 0; r < R; ++r) {
-        approx[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][g]), _mm512_mul_ps(dv, _mm512_set1_ps(s[r * h.blocks + b])),
-                                       approx[r][g]);
-        bound[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(sb[r * h.blocks + b]), cv, bound[r][g]);
+        approx[r][v] += __builtin_convertvector(acc[r][v], vf) * (dv * s[r * h.blocks + b]);
+        bound[r][v] += sb[r * h.blocks + b] * cv;
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    __m512 lo = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int g = 0; g < kGroups; ++g) {
-      _mm512_storeu_ps(hi + r * ldh + (g0 + g) * kGroup, _mm512_add_ps(approx[r][g], bound[r][g]));
-      lo = _mm512_max_ps(lo, _mm512_sub_ps(approx[r][g], bound[r][g]));
+    vf lo = approx[r][0] - bound[r][0];
+    for (int v = 0; v < V; ++v) {
+      const vf up = approx[r][v] + bound[r][v], down = approx[r][v] - bound[r][v];
+      std::memcpy(hi + r * ldh + g0 * kGroup + v * L, &up, sizeof up);
+      lo = lo > down ? lo : down;
     }
-    floor[r] = std::max(floor[r], _mm512_reduce_max_ps(lo));
+    float m = lo[0];
+    for (int l = 1; l < L; ++l) m = std::max(m, lo[l]);
+    floor[r] = std::max(floor[r], m);
   }
 }
 
-using Tile = void (*)(const uint8_t*, const float*, const float*, const Int8Head&, int64_t, float*, int64_t, float*);
-constexpr Tile kTiles[kRows + 1] = {nullptr, &screen_tile<1>, &screen_tile<2>, &screen_tile<3>, &screen_tile<4>};
+template <class D, int Q>
+void screen_rows(const float* xp, int64_t rows, const Int8Head& head, int64_t groups, const float* wp, int64_t vocab,
+                 float* hi, int64_t* ip, int64_t* cp) {
+  using Tile = void (*)(const uint8_t*, const float*, const float*, const Int8Head&, int64_t, float*, int64_t, float*);
+  constexpr Tile kTiles[kRows + 1] = {nullptr, &screen_tile<D, Q, 1>, &screen_tile<D, Q, 2>, &screen_tile<D, Q, 3>,
+                                      &screen_tile<D, Q, 4>};
+  const int64_t k = head.k, blocks = head.blocks, ldh = groups * kGroup;
+  std::vector<uint8_t> xq(rows * k);
+  std::vector<float> s(rows * blocks), sb(rows * blocks);
+  std::vector<char> finite(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    finite[r] = quantize_row<Q>(xp + r * k, k, xq.data() + r * k, s.data() + r * blocks, sb.data() + r * blocks);
+  std::vector<float> floor(rows, -std::numeric_limits<float>::infinity());
+  std::mutex floor_lock;
+  const int64_t tiles = groups / D::kTileGroups;
+  tritonllm::parallel_claim(tiles, tritonllm::grain_for(tiles, kClaimsPerThread), [&](tritonllm::ClaimedChunks& items) {
+    std::vector<float> mine(rows, -std::numeric_limits<float>::infinity());
+    for (int64_t begin, end; items.next(begin, end);)
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+          const int n = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
+          kTiles[n](xq.data() + r0 * k, s.data() + r0 * blocks, sb.data() + r0 * blocks, head, t * D::kTileGroups,
+                    hi + r0 * ldh, ldh, mine.data() + r0);
+        }
+    std::lock_guard<std::mutex> hold(floor_lock);
+    for (int64_t r = 0; r < rows; ++r) floor[r] = std::max(floor[r], mine[r]);
+  });
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> cand;
+    for (int64_t r = begin; r < end; ++r) {
+      if (!finite[r]) continue;  // NaN or inf in x: no logit means anything; id 0, no candidates
+      cand.clear();
+      tritonllm::collect_candidates(hi + r * ldh, nullptr, 0.f, vocab, floor[r], cand);
+      ip[r] = tritonllm::rescored_argmax(xp + r * k, k, wp, cand);
+      cp[r] = static_cast<int64_t>(cand.size());
+    }
+  });
+}
 
 #endif
 
 std::tuple<at::Tensor, at::Tensor> int8_greedy_screen(const at::Tensor& x_in, const at::Tensor& codes_in,
                                                       const at::Tensor& d_in, const at::Tensor& negq_in,
-                                                      const at::Tensor& c_in, const at::Tensor& weight_in) {
+                                                      const at::Tensor& c_in, const at::Tensor& weight_in,
+                                                      int64_t steps) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "int8_greedy_screen: x float32 [rows, K]");
   TORCH_CHECK(weight_in.dim() == 2 && weight_in.scalar_type() == at::kFloat && weight_in.size(1) == x_in.size(1),
               "int8_greedy_screen: weight float32 [V, K] with x's K");
   const int64_t rows = x_in.size(0), k = x_in.size(1), vocab = weight_in.size(0), blocks = k / kBlock;
   const int64_t groups = codes_in.dim() == 4 ? codes_in.size(0) : -1;
+  TORCH_CHECK(steps == 127 || steps == 63, "int8_greedy_screen: x in 127 or 63 steps");
   TORCH_CHECK(vocab > 0 && k > 0 && k % kBlock == 0, "int8_greedy_screen: K a multiple of 32");
   TORCH_CHECK(groups % 2 == 0 && groups * kGroup >= vocab && (groups - 2) * kGroup < vocab,
               "int8_greedy_screen: codes for V padded to a multiple of 32");
@@ -170,55 +284,22 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_screen(const at::Tensor& x_in, co
   const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
   at::Tensor ids = at::zeros({rows}, x.options().dtype(at::kLong));
   at::Tensor candidates = at::zeros({rows}, x.options().dtype(at::kLong));
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if TRITONLLM_INT8_SCREEN
   if (rows == 0) return {ids, candidates};
   const Int8Head head{codes_in.data_ptr<int8_t>(), d_in.data_ptr<float>(), negq_in.data_ptr<int32_t>(),
                       c_in.data_ptr<float>(), k, blocks};
-  const float* xp = x.data_ptr<float>();
-  std::vector<uint8_t> xq(rows * k);
-  std::vector<float> s(rows * blocks), sb(rows * blocks);
-  std::vector<char> finite(rows);
-  for (int64_t r = 0; r < rows; ++r)
-    finite[r] = quantize_row(xp + r * k, k, xq.data() + r * k, s.data() + r * blocks, sb.data() + r * blocks);
-  at::Tensor hi_t = at::empty({rows, groups * kGroup}, x.options());
-  float* hi = hi_t.data_ptr<float>();
-  const int64_t ldh = groups * kGroup;
-  std::vector<float> floor(rows, -std::numeric_limits<float>::infinity());
-  std::mutex floor_lock;
-  const int64_t tiles = groups / kGroups;
-  tritonllm::parallel_claim(tiles, tritonllm::grain_for(tiles, kClaimsPerThread), [&](tritonllm::ClaimedChunks& items) {
-    std::vector<float> mine(rows, -std::numeric_limits<float>::infinity());
-    for (int64_t begin, end; items.next(begin, end);)
-      for (int64_t t = begin; t < end; ++t)
-        for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-          const int n = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
-          kTiles[n](xq.data() + r0 * k, s.data() + r0 * blocks, sb.data() + r0 * blocks, head, t * kGroups,
-                    hi + r0 * ldh, ldh, mine.data() + r0);
-        }
-    std::lock_guard<std::mutex> hold(floor_lock);
-    for (int64_t r = 0; r < rows; ++r) floor[r] = std::max(floor[r], mine[r]);
-  });
-  const float* wp = weight.data_ptr<float>();
-  int64_t *ip = ids.data_ptr<int64_t>(), *cp = candidates.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> cand;
-    for (int64_t r = begin; r < end; ++r) {
-      if (!finite[r]) continue;  // NaN or inf in x: no logit means anything; id 0, no candidates
-      cand.clear();
-      const float* hr = hi + r * ldh;
-      const __m512 vfloor = _mm512_set1_ps(floor[r]);
-      int64_t j = 0;
-      for (; j + kGroup <= vocab; j += kGroup)
-        for (uint32_t hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(hr + j), vfloor, _CMP_GE_OQ); hit; hit &= hit - 1)
-          cand.push_back(j + __builtin_ctz(hit));
-      for (; j < vocab; ++j)
-        if (hr[j] >= floor[r]) cand.push_back(j);
-      ip[r] = tritonllm::rescored_argmax(xp + r * k, k, wp, cand);
-      cp[r] = static_cast<int64_t>(cand.size());
-    }
-  });
+  at::Tensor hi = at::empty({rows, groups * kGroup}, x.options());
+  const auto args = std::make_tuple(x.data_ptr<float>(), rows, head, groups, weight.data_ptr<float>(), vocab,
+                                    hi.data_ptr<float>(), ids.data_ptr<int64_t>(), candidates.data_ptr<int64_t>());
+#if TRITONLLM_INT8_SCREEN == 512
+  std::apply(steps == 127 ? screen_rows<ZmmVnni, 127> : screen_rows<ZmmVnni, 63>, args);
 #else
-  TORCH_CHECK(false, "int8_greedy_screen: built without AVX512-VNNI");
+  TORCH_CHECK(steps == 63 || cpu_has_avx_vnni(), "int8_greedy_screen: 127 steps need AVX-VNNI (this CPU lacks it)");
+  std::apply(steps == 127 ? screen_rows<YmmAvxVnni, 127> : screen_rows<YmmAvx2, 63>, args);
+#endif
+#else
+  (void)steps;
+  TORCH_CHECK(false, "int8_greedy_screen: built without AVX2 or AVX512-VNNI");
 #endif
   return {ids, candidates};
 }
@@ -227,7 +308,9 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_screen(const at::Tensor& x_in, co
 
 TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
   m.def("int8_screen_supported() -> bool", &int8_screen_supported);  // no tensors: a catch-all kernel
-  m.def("int8_greedy_screen(Tensor x, Tensor codes, Tensor d, Tensor negq, Tensor c, Tensor weight) -> (Tensor, Tensor)");
+  m.def("int8_screen_instructions() -> str", &int8_screen_instructions);
+  m.def("int8_greedy_screen(Tensor x, Tensor codes, Tensor d, Tensor negq, Tensor c, Tensor weight, int steps)"
+        " -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("int8_greedy_screen", &int8_greedy_screen); }

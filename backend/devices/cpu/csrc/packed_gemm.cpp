@@ -58,13 +58,8 @@ constexpr int64_t kClaimsPerThread = 8;        // panel runs each thread claims 
 
 bool packed_gemm_supported() { return TRITONLLM_PANEL_GEMM; }
 
-bool packed_gemm_bf16_supported() {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
+// Wherever the float32 panels run: AVX512-BF16's dot product, or elsewhere the same sums in FMAs.
+bool packed_gemm_bf16_supported() { return TRITONLLM_PANEL_GEMM; }
 
 // [N, K] -> [ceil(N / 32), K, 32]: panel p holds output columns 32p .. 32p + 31, k-major.
 at::Tensor pack_gemm_weight(const at::Tensor& weight_in) {
@@ -136,6 +131,34 @@ struct Bf16PairPanels {
   }
   // Both products of the pair into each column's float32 sum.
   static vf madd(vf acc, __m512bh a, __m512bh b) { return (vf)_mm512_dpbf16_ps((__m512)acc, a, b); }
+};
+#else
+// The same panels without AVX512-BF16: each 32-bit lane's bfloat16 pair widened to float32 by its bits,
+// and the pair's products added as vdpbf16ps adds them, the odd element's first. A product of two
+// bfloat16 values is exact in float32, so each FMA rounds only the sum, as vdpbf16ps does (which also
+// flushes subnormal inputs and results to zero; this keeps them). Twice the float32 panels' FMAs per
+// weight, half their bytes.
+struct Bf16PairPanels {
+  using Elem = at::BFloat16;
+  using Weights = tritonllm::panel::vu32;
+  static constexpr int kVectors = tritonllm::panel::kPanelVectors;  // a k pair of 32 columns: 128 bytes
+  static constexpr int64_t kStep = kPanel * 2;
+  static Weights load(const at::BFloat16* p, int j) {
+    Weights v;
+    __builtin_memcpy(&v, p + j * 2 * tritonllm::panel::VL, sizeof v);
+    return v;
+  }
+  static Weights broadcast(const at::BFloat16* x) {  // the pair (x[2i], x[2i + 1]) in every 32-bit lane
+    uint32_t pair;
+    __builtin_memcpy(&pair, x, sizeof pair);
+    return pair - Weights{};
+  }
+  static vf madd(vf acc, Weights a, Weights b) {
+    namespace pv = tritonllm::panel;
+    const Weights high = 0xffff0000u - Weights{};
+    acc = pv::fma((vf)(a & high), (vf)(b & high), acc);
+    return pv::fma((vf)(a << 16), (vf)(b << 16), acc);
+  }
 };
 #endif
 
@@ -278,7 +301,7 @@ at::Tensor packed_gemm(const at::Tensor& x_in, const at::Tensor& packed, const c
   return y.view(out_shape(x_in, n));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if TRITONLLM_PANEL_GEMM
 // float32 -> bfloat16 bits, round to nearest even, NaN kept a (quiet) NaN: c10::BFloat16's rounding,
 // so the kernel multiplies exactly what `x.to(torch.bfloat16)` holds.
 inline uint16_t round_to_bf16(float f) {
@@ -310,7 +333,7 @@ const uint16_t* round_rows_to_bf16(const float* x, int64_t ldx, int64_t m, int64
 // gets a zero pair partner, matching the weight's zero padding).
 at::Tensor packed_gemm_bf16(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias_in,
                             int64_t out_features, int64_t in_features) {
-  TORCH_CHECK(packed_gemm_bf16_supported(), "packed_gemm_bf16: built without AVX512-BF16");
+  TORCH_CHECK(packed_gemm_bf16_supported(), "packed_gemm_bf16: built without AVX-512 or AVX2 + FMA");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kPanel &&
                   packed.size(3) == 2 && packed.is_contiguous(),
               "packed_gemm_bf16: weight from pack_gemm_weight_bf16");
@@ -322,7 +345,7 @@ at::Tensor packed_gemm_bf16(const at::Tensor& x_in, const at::Tensor& packed, co
   if (x2.stride(1) != 1) x2 = x2.contiguous();
   const int64_t m = x2.size(0);
   at::Tensor y = at::empty({m, n}, x2.options());
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if TRITONLLM_PANEL_GEMM
   const int64_t ld = 2 * pairs;
   const uint16_t* xb = round_rows_to_bf16(x2.data_ptr<float>(), x2.stride(0), m, k, ld);
   run_panels<at::BFloat16>(reinterpret_cast<const at::BFloat16*>(xb), ld, packed.data_ptr<at::BFloat16>(), pairs,

@@ -14,8 +14,6 @@
 // float32 head's argmax bit for bit. The log-prob needs every logit exactly, so rows that want it
 // keep the float32 head (runner/head.py).
 //
-// AVX-512 only: the screen comes from the bfloat16 GEMM, which needs AVX512-BF16 anyway.
-
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,15 +27,7 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
-
-#if defined(__AVX512F__)
-
-constexpr int kLanes = 16;   // floats per zmm in the screen's passes
 
 // ||x|| in double, rounded up to a float: the bound must not come out smaller than the real one.
 float norm_rounded_up(const float* x, int64_t k) {
@@ -48,32 +38,10 @@ float norm_rounded_up(const float* x, int64_t k) {
 
 // L = max_j (a_j - xn * bound_j).
 float screen_floor(const float* a, const float* bound, int64_t n, float xn) {
-  const __m512 vxn = _mm512_set1_ps(xn);
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    best = _mm512_max_ps(best, _mm512_fnmadd_ps(vxn, _mm512_loadu_ps(bound + j), _mm512_loadu_ps(a + j)));
-  float floor = _mm512_reduce_max_ps(best);
-  for (; j < n; ++j) floor = std::max(floor, a[j] - xn * bound[j]);
+  float floor = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) floor = std::max(floor, a[j] - xn * bound[j]);
   return floor;
 }
-
-// Every j with a_j + xn * bound_j >= floor, in increasing order.
-void screen_candidates(const float* a, const float* bound, int64_t n, float xn, float floor,
-                       std::vector<int64_t>& out) {
-  out.clear();
-  const __m512 vxn = _mm512_set1_ps(xn), vfloor = _mm512_set1_ps(floor);
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const __m512 top = _mm512_fmadd_ps(vxn, _mm512_loadu_ps(bound + j), _mm512_loadu_ps(a + j));
-    for (uint32_t hit = _mm512_cmp_ps_mask(top, vfloor, _CMP_GE_OQ); hit; hit &= hit - 1)
-      out.push_back(j + __builtin_ctz(hit));
-  }
-  for (; j < n; ++j)
-    if (a[j] + xn * bound[j] >= floor) out.push_back(j);
-}
-
-#endif
 
 std::tuple<at::Tensor, at::Tensor> screened_greedy_head(const at::Tensor& x_in, const at::Tensor& approx_in,
                                                         const at::Tensor& weight_in, const at::Tensor& bound_in) {
@@ -90,7 +58,6 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_head(const at::Tensor& x_in, 
                    bound = bound_in.contiguous();
   at::Tensor ids = at::zeros({rows}, x.options().dtype(at::kLong));
   at::Tensor candidates = at::zeros({rows}, x.options().dtype(at::kLong));
-#if defined(__AVX512F__)
   const float *xp = x.data_ptr<float>(), *ap = approx.data_ptr<float>(), *wp = weight.data_ptr<float>(),
               *bp = bound.data_ptr<float>();
   int64_t *ip = ids.data_ptr<int64_t>(), *cp = candidates.data_ptr<int64_t>();
@@ -101,15 +68,12 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_head(const at::Tensor& x_in, 
       const float* ar = ap + r * vocab;
       const float xn = norm_rounded_up(xr, k);
       if (!std::isfinite(xn)) continue;  // NaN or inf in x: no logit means anything; id 0, no candidates
-      screen_candidates(ar, bp, vocab, xn, screen_floor(ar, bp, vocab, xn), cand);
+      tritonllm::collect_candidates(ar, bp, xn, vocab, screen_floor(ar, bp, vocab, xn), cand);
       const int64_t best_id = tritonllm::rescored_argmax(xr, k, wp, cand);
       ip[r] = best_id;
       cp[r] = static_cast<int64_t>(cand.size());
     }
   });
-#else
-  TORCH_CHECK(false, "screened_greedy_head: built without AVX-512");
-#endif
   return {ids, candidates};
 }
 
