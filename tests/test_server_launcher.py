@@ -92,6 +92,30 @@ def test_main_without_supervision_execs_tritonserver_with_passthrough_args(tmp_p
     assert "generate_stream" in capsys.readouterr().out
 
 
+@pytest.mark.unit
+def test_the_openai_servers_options_go_to_it_not_to_tritonserver(tmp_path, monkeypatch):
+    try:
+        find_pytriton()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    from tritonllm.openai import server as openai_server
+
+    started, calls = [], []
+    monkeypatch.setattr(server_module, "check_numpy", lambda: None)
+    monkeypatch.setattr(server_module.os, "execvpe", lambda *a: calls.append(a))
+    monkeypatch.setattr(openai_server, "start_server", lambda *a, **kw: started.append((a, kw)))
+    monkeypatch.setenv("TRITONLLM_BACKEND_DIR", str(tmp_path / "backends"))
+    server_module.main(["--model-repository", str(tmp_path), "--no-prepare", "--no-supervise", "--openai-port", "9100",
+                        "--chat-template", "chatml_hermes_tools", "--enable-auto-tool-choice",
+                        "--tool-call-parser", "hermes"])
+    (_, cmd, _), = calls
+    (args, kwargs), = started
+    assert args[2] == 9100
+    assert kwargs["extra_args"] == ["--chat-template", "chatml_hermes_tools", "--enable-auto-tool-choice",
+                                    "--tool-call-parser", "hermes"]
+    assert not any("tool" in c or "chat-template" in c for c in cmd)
+
+
 def test_decoupled_echo_streams_over_grpc(server):
     import tritonclient.grpc as grpcclient
 

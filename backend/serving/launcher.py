@@ -16,6 +16,13 @@ from tritonllm.serving.supervision import cli as supervision_cli
 from tritonllm.serving.tritonserver_process import assemble_backend_dir, build_command, check_numpy, server_env
 
 
+def openai_options(args: argparse.Namespace) -> list[str]:
+    """The OpenAI server's own options among tritonllm-serve's, as its command line takes them."""
+    return [*(["--chat-template", args.chat_template] if args.chat_template is not None else []),
+            *(["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []),
+            *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """`tritonllm-serve`: prepare the default model, then serve it on tritonserver, supervised (supervision/supervisor.py).
 
@@ -33,6 +40,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="skip converting the packaged default model before starting")
     parser.add_argument("--openai-port", type=int, default=None,
                         help="also serve the OpenAI-compatible API (tritonllm.openai) on --host at this port")
+    parser.add_argument("--chat-template", default=None,
+                        help="the OpenAI API's chat template: a file, a shipped one's name (chatml_hermes_tools) or its text")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='the OpenAI API serves tool_choice "auto" (with --tool-call-parser)')
+    parser.add_argument("--tool-call-parser", default=None, help="how the models write tool calls: hermes or llama3_json")
     supervision_cli.add_arguments(parser)
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
@@ -69,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # A child process that stops by itself once its parent is gone (tritonllm-serve; tritonserver after the
         # exec below with --no-supervise).
         grpc_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-        start_server(f"{grpc_host}:{args.grpc_port}", args.host, args.openai_port)
+        start_server(f"{grpc_host}:{args.grpc_port}", args.host, args.openai_port, extra_args=openai_options(args))
         print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1", flush=True)
     if args.no_supervise:
         # exec, not a child: Ctrl-C and signals reach tritonserver directly and logs go to the terminal.
