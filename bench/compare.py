@@ -8,7 +8,7 @@ template applied) and the same exact output lengths (max_tokens + ignore_eos), a
               tritonclient gRPC streaming (client/bench.py's run_bench), start-to-ready time, and a
               closed-loop concurrency sweep (throughput and TPOT against C, as a PNG)
   ours_bf16   the same server with cpu_gemm=avx512_bf16 (bfloat16 GEMM weights, lossy, opt-in),
-              the replay only; skipped where the CPU lacks AVX512-BF16
+              the replay only; skipped where the kernels have no panel GEMM
   hf_serial   transformers generate, fp32, one request at a time (SEEDS.md 000's baseline server);
               --serial-sample K runs K of them and extrapolates (marked as such)
   hf_static   transformers static batches (--static-batch, default 32), sorted by prompt length
@@ -208,7 +208,7 @@ class Comparison:
         from tritonllm.devices.cpu import kernels as cpu_kernels
 
         overrides, supported, missing = {
-            "ours_bf16": ({"cpu_gemm": "avx512_bf16"}, cpu_kernels.packed_gemm_bf16_supported, "AVX512-BF16"),
+            "ours_bf16": ({"cpu_gemm": "avx512_bf16"}, cpu_kernels.packed_gemm_bf16_supported, "AVX2 or AVX-512 (the panel GEMM)"),
         }[name]
         if not supported():
             option = ", ".join(f"{k}={v}" for k, v in overrides.items())
