@@ -21,7 +21,8 @@ REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
 # The groups as docs/CONFIG.md heads them.
 GROUP_HEADINGS = {"model": "Model", "device": "Device", "scheduler": "Scheduler", "cache": "KV cache",
                   "speculative": "Speculative decoding", "parallel": "Parallelism", "cpu": "CPU backend",
-                  "cuda": "CUDA backend", "npu": "Ascend backend", "serving": "Serving"}
+                  "cuda": "CUDA backend", "npu": "Ascend backend", "lora": "LoRA adapters",
+                  "serving": "Serving"}
 
 
 def test_parameters_reach_their_groups_by_their_config_pbtxt_names():

@@ -94,6 +94,9 @@ def test_cancelled_stream_is_aborted_and_its_blocks_come_back(triton_server):
     assert metric(samples, "llm_requests", state="running") == 0
     assert metric(samples, "llm_kv_cache_blocks", state="used") == 0
     assert metric(samples, "llm_requests_finished_total", reason="abort") >= 1
+    # The lines the vLLM backend's cancellation test looks for in the server log
+    log = triton_server.log_text()
+    assert "[vllm] Cancelling the request" in log and "[vllm] Successfully cancelled the request" in log
 
 
 BAD_REQUESTS = {

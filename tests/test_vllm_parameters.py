@@ -198,13 +198,37 @@ def test_stream_with_the_prompt_in_the_output_and_lora_name_are_refused_as_by_th
         arrays.update({k: np.array([v], dtype=np.object_ if isinstance(v, bytes) else None) for k, v in inputs.items()})
         return parse_request(arrays, None)
 
-    with pytest.raises(InvalidRequestError, match="exclude_input_in_output"):
+    with pytest.raises(InvalidRequestError) as refused:
         parse(stream=True, exclude_input_in_output=False)
+    assert str(refused.value) == STREAM_WITH_PROMPT_REFUSED
     assert parse(stream=True).stream and parse(stream=True, exclude_input_in_output=True).stream
     assert not parse(stream=False, exclude_input_in_output=False).exclude_input_in_output
     with pytest.raises(InvalidRequestError, match="LoRA"):
         parse(sampling_parameters=b'{"lora_name": "sql-lora"}')
     assert parse(sampling_parameters=b'{"lora_name": null}').params.max_tokens == 16  # vLLM clients send null
+
+
+# The vLLM backend's own text, which its CI (enabled_stream_test.py) and its clients compare whole.
+STREAM_WITH_PROMPT_REFUSED = ("Error generating stream: When streaming, `exclude_input_in_output` = False is not "
+                              "allowed.")
+
+
+@pytest.mark.server
+def test_a_stream_with_the_prompt_gets_the_vllm_backends_exact_message(triton_server):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    errors: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: errors.put(error))
+        client.async_stream_infer("smollm2", make_inputs("Hello", stream=True, exclude_input=False))
+        error = errors.get(timeout=60)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert error is not None and error.message() == STREAM_WITH_PROMPT_REFUSED, error
 
 
 @pytest.mark.server

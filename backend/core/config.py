@@ -209,6 +209,29 @@ class NpuOptions:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA: the adapters named in the model's `multi_lora.json` (read by serving/instance_config.py),
+    served beside the base model in the same batches. These limits apply where that file is present."""
+
+    max_loras: int = 4  # adapters with rows in one step (each takes a slot of weights on the device)
+    max_lora_rank: int = 16  # the highest rank an adapter may have; a higher one fails the load
+    max_cpu_loras: int = 0  # adapters kept loaded in host memory (0: every declared one; else >= max_loras)
+    # name -> adapter folder (PEFT's format), in multi_lora.json's order; not a config.pbtxt parameter.
+    adapters: tuple = field(default=(), metadata={"internal": True})
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_loras", "max_lora_rank")
+        _non_negative(self, "max_cpu_loras")
+        if 0 < self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be 0 (every adapter) or at least "
+                              f"max_loras ({self.max_loras})")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.adapters)
+
+
+@dataclass(frozen=True)
 class ServingConfig:
     """How the served model reports on itself."""
 
@@ -236,6 +259,7 @@ class EngineConfig:
     cpu: CpuOptions = field(default_factory=CpuOptions)
     cuda: CudaOptions = field(default_factory=CudaOptions)
     npu: NpuOptions = field(default_factory=NpuOptions)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     serving: ServingConfig = field(default_factory=ServingConfig)
 
     @classmethod
@@ -273,5 +297,6 @@ def parameter_fields(config_class=EngineConfig) -> dict[str, tuple[str, dataclas
     found = {}
     for group in dataclasses.fields(config_class):
         for f in dataclasses.fields(group.default_factory):
-            found[parameter_name(f)] = (group.name, f)
+            if not f.metadata.get("internal"):  # set by the caller, not by config.pbtxt (LoraConfig.adapters)
+                found[parameter_name(f)] = (group.name, f)
     return found

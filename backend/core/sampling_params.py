@@ -72,6 +72,9 @@ class SamplingParams:
     guided_decoding: dict | None = None
     # Keep only the prompt's last k tokens (vLLM's; -1: the last max_model_len - 1). None: whole prompt.
     truncate_prompt_tokens: int | None = None
+    # The LoRA adapter that serves this request (vLLM's `lora_name`: a name in the model's multi_lora.json,
+    # checked by the engine). None: the base model.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -150,6 +153,8 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if self.seed == -1:
             self.seed = None
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise InvalidRequestError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
 
     @property
     def greedy(self) -> bool:

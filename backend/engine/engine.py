@@ -6,6 +6,7 @@ Serving use (one thread drives it): `add_request`, `abort`, `step` — see `engi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -86,10 +87,14 @@ class Engine:
             self.block_manager = BlockManager(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching,
                                               window=model.kv_release_window)
         self.scheduler = Scheduler(self.block_manager, config.scheduler, self.max_model_len, cache,
-                                   self._speculative(config))
+                                   self._speculative(config), max_loras=config.lora.max_loras if config.lora.enabled else 0)
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _StreamState] = {}
         self.num_steps = 0
+        # Tokens each step fed to the model, oldest first, for vLLM's iteration_tokens histogram: the
+        # metrics thread takes them (popleft) a few times a second. Bounded, so that nothing grows
+        # where nobody takes them (offline use, metrics off).
+        self.step_num_tokens: collections.deque[int] = collections.deque(maxlen=4096)
         if config.device.warmup:
             warm_up(self.runner, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
         self.startup_seconds = time.perf_counter() - started
@@ -131,6 +136,10 @@ class Engine:
             params = SamplingParams.from_dict(params)
         if params.guided_decoding is not None:  # its form was checked with params; can it be followed?
             check_guided_decoding(params.guided_decoding)
+        if params.lora_name is not None and params.lora_name not in self.lora_names:
+            known = ", ".join(self.lora_names)
+            raise InvalidRequestError(f"lora_name {params.lora_name!r} is not an adapter of this model"
+                                      + (f" (its adapters: {known})" if known else " (it serves no LoRA adapters)"))
         if prompt_token_ids is None:
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidRequestError("the prompt is empty: text_input must be a non-empty string")
@@ -251,10 +260,24 @@ class Engine:
         """Release what outlives the object: tensor-parallel worker processes and the process group."""
         self.runner.close()
 
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters a request may name (`lora_name`), in multi_lora.json's order; empty: none."""
+        return self.runner.lora.names if self.runner.lora is not None else []
+
     def stats(self) -> dict:
-        return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
-                "preemptions": self.scheduler.num_preemptions, "kv_blocks": self.block_manager.stats(),
-                "steps": self.num_steps}
+        stats = {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+                 "preemptions": self.scheduler.num_preemptions, "kv_blocks": self.block_manager.stats(),
+                 "steps": self.num_steps,
+                 # vLLM's prefix-cache counters: tokens looked up at admission, and those found cached
+                 "prefix_cache_queries": self.block_manager.prefix_query_tokens,
+                 "prefix_cache_hits": self.block_manager.prefix_hit_tokens}
+        if self.runner.lora is not None:  # vLLM's lora_requests_info: the adapters running and waiting
+            running = {seq.params.lora_name for seq in self.scheduler.running} - {None}
+            waiting = {seq.params.lora_name for _, seq in self.scheduler.waiting} - {None}
+            stats["lora"] = {"running": sorted(running), "waiting": sorted(waiting),
+                             "max_lora": self.config.lora.max_loras}
+        return stats
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -266,6 +289,7 @@ class Engine:
         token_ids, logprobs, tops = self.runner.execute(inputs)
         self.scheduler.commit(out)
         self.num_steps += 1
+        self.step_num_tokens.append(out.num_batched_tokens)
         now = time.time()
         results = []
         row = 0

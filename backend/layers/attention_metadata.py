@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tritonllm.layers.lora import LoraBatch
+
 
 @dataclass
 class SequenceBatch:
@@ -43,3 +45,6 @@ class AttentionMetadata:
     sliding: "AttentionMetadata | None" = None
     # (cos, sin) as `rope`, for sliding layers that rotate by frequencies of their own (Gemma 3).
     local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Multi-LoRA: which rows use which adapter slot (layers/lora.py); None: every row is the base model's.
+    # Not attention's, but the step's one context object is where the layers find it.
+    lora: "LoraBatch | None" = None

@@ -25,6 +25,7 @@ from tritonllm.layers.attention import paged_attention
 from tritonllm.layers.activations import ACTIVATIONS
 from tritonllm.layers.attention_metadata import AttentionMetadata
 from tritonllm.layers.kv_layout import HEAD_MAJOR, write_kv
+from tritonllm.layers.lora import LoraBatch, add_lora_delta
 from tritonllm.layers.rotary import apply_rotary
 
 if TYPE_CHECKING:
@@ -54,6 +55,10 @@ class LayerOps:
 
     def linear(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+    def lora_delta(self, layer: "Linear", x: torch.Tensor, y: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        """y += each row's adapter delta of `layer` (layers/lora.py: grouped shrink, then expand), in place."""
+        return add_lora_delta(y, x, layer.lora, batch)
 
     def prepare_linear(self, layer: "Linear") -> None:
         """Once after load: the layer's weight into this implementation's own layout (nothing here)."""

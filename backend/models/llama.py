@@ -77,7 +77,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # meta.lora: the step's adapter rows (layers/lora.py), whose deltas the linears add; None: base only.
+        qkv = self.qkv_proj(x, meta.lora).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # in place: the attention reads the normed heads from qkv
             q_end, k_end = self.num_heads, self.num_heads + self.num_kv_heads
             if self.projection_norms:
@@ -91,7 +92,7 @@ class LlamaAttention(nn.Module):
         # window itself is the attention layer's (`PagedAttention.window`), applied by every implementation.
         layer_meta = meta.sliding if self.sliding and meta.sliding is not None else meta
         out = self.attn(qkv, rope, kv_cache, layer_meta)
-        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim)))
+        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim), meta.lora))
 
     def _projection_norm(self, heads: torch.Tensor, norm: RMSNorm, width: int) -> torch.Tensor:
         """OLMo's RMSNorm over a whole projection ([tokens, this rank's heads, head_dim]) of `width` values
@@ -132,7 +133,8 @@ class LlamaDecoderLayer(nn.Module):
         if self.attn_output_norm is not None:
             hidden = self.attn_output_norm(hidden)
         hidden = _add_and_norm(self.post_attention_layernorm, residual, hidden)
-        hidden = self.mlp(hidden)
+        # Adapters target the dense MLP only (models/lora_adapters.py refuses a mixture of experts).
+        hidden = self.mlp(hidden) if meta.lora is None else self.mlp(hidden, meta.lora)
         if self.mlp_output_norm is not None:
             hidden = self.mlp_output_norm(hidden)
         return hidden, residual

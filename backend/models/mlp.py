@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tritonllm.layers.linear import Linear
+from tritonllm.layers.lora import LoraBatch
 from tritonllm.layers.ops import LayerOps
 from tritonllm.models.families import activation_name
 from tritonllm.parallel.shard import TPShard
@@ -30,6 +31,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, False, ops)
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, False, ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.activation))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """`lora`: the step's adapter rows (layers/lora.py), added to gate/up and down; None: base only."""
+        out = self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x, lora), self.activation), lora)
         return self.tp.all_reduce(out) if self.reduce else out

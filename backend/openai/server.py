@@ -163,10 +163,11 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def create_app(triton_url: str, tools: ToolSettings | None = None) -> FastAPI:
+def create_app(triton_url: str, tools: ToolSettings | None = None, model_repository: str | None = None) -> FastAPI:
     """The app; `tools`: the chat template and tool call options (vLLM's --chat-template,
-    --enable-auto-tool-choice, --tool-call-parser), for every generate model."""
-    backend = TritonBackend(triton_url)
+    --enable-auto-tool-choice, --tool-call-parser), for every generate model; `model_repository`: where the
+    models' multi_lora.json files are (their LoRA adapters then are models here too)."""
+    backend = TritonBackend(triton_url, model_repository)
     tools = tools or ToolSettings()
 
     @asynccontextmanager
@@ -199,6 +200,8 @@ def create_app(triton_url: str, tools: ToolSettings | None = None) -> FastAPI:
 
     def model_card(info) -> dict:
         card = {"id": info.name, "object": "model", "created": started, "owned_by": "tritonllm"}
+        if info.parent is not None:  # a LoRA adapter: its base model, as vLLM lists one
+            card["parent"] = card["root"] = info.parent
         if info.max_model_len is not None:
             card["max_model_len"] = info.max_model_len
         return card
@@ -351,6 +354,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process is gone")
+    parser.add_argument("--model-repository", default=None,
+                        help="tritonserver's model repository: each model's multi_lora.json adapters are listed and "
+                             "served as models of their own")
     parser.add_argument("--chat-template", default=None,
                         help="chat template for every model: a file, a shipped template's name (chatml_hermes_tools), "
                              "or the template's text; default: each model's tokenizer's")
@@ -372,14 +378,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     if args.exit_with_parent:
         _exit_with_parent(os.getppid())
-    uvicorn.run(create_app(args.triton_url, tools), host=args.host, port=args.port, log_level=args.log_level,
+    uvicorn.run(create_app(args.triton_url, tools, args.model_repository), host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, timeout_graceful_shutdown=5)
 
 
 def start_server(triton_url: str, host: str, port: int, log_level: str = "warning",
-                 extra_args: Sequence[str] = ()) -> subprocess.Popen:
+                 extra_args: Sequence[str] = (), model_repository: str | None = None) -> subprocess.Popen:
     """Start the server as a child process (tritonllm-serve's --openai-port); it stops when its parent does.
-    `extra_args`: more of its options (--chat-template, --tool-call-parser, ...)."""
+    `extra_args`: more of its options (--chat-template, --tool-call-parser, ...); `model_repository`:
+    tritonserver's, whose multi_lora.json files name the LoRA adapters it lists."""
+    repository = ["--model-repository", model_repository] if model_repository else []
     cmd = [sys.executable, "-m", "tritonllm.openai", "--triton-url", triton_url, "--host", host,
-           "--port", str(port), "--log-level", log_level, "--exit-with-parent", *extra_args]
+           "--port", str(port), "--log-level", log_level, "--exit-with-parent", *repository, *extra_args]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)

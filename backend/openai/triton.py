@@ -21,6 +21,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
+from tritonllm.core.multi_lora import read_multi_lora
+from tritonllm.core.parameters import ConfigError
 from tritonllm.openai.protocol import OpenAIError
 
 logger = logging.getLogger("tritonllm.openai")
@@ -40,6 +42,14 @@ class ModelInfo:
 
     name: str
     config: dict
+    # A LoRA adapter of a generate model (its multi_lora.json) is a model of its own here, as in vLLM:
+    # `parent` is the generate model that serves it, whose config this is; None for a generate model.
+    parent: str | None = None
+
+    @property
+    def triton_model(self) -> str:
+        """The Triton model the requests go to (the parent of an adapter)."""
+        return self.parent or self.name
 
     @property
     def inputs(self) -> set[str]:
@@ -147,7 +157,8 @@ class TritonRequest:
             ids = grpcclient.InferInput("input_ids", [len(self.prompt)], "INT32")
             ids.set_data_from_numpy(np.array(self.prompt, dtype=np.int32))
             inputs = [ids]
-        inputs.append(tensor("sampling_parameters", json.dumps(self.sampling).encode("utf-8"), "BYTES"))
+        sampling = self.sampling if self.model.parent is None else {**self.sampling, "lora_name": self.model.name}
+        inputs.append(tensor("sampling_parameters", json.dumps(sampling).encode("utf-8"), "BYTES"))
         flags = {"stream": self.stream, "exclude_input_in_output": True, "return_finish_reason": True,
                  "return_num_input_tokens": True, "return_num_output_tokens": True,
                  "return_logprobs": self.logprobs}
@@ -158,8 +169,11 @@ class TritonRequest:
 class TritonBackend:
     """The connection to tritonserver's gRPC endpoint, shared by every HTTP request."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, model_repository: str | None = None):
+        """`model_repository`: tritonserver's repository folder, where each model's multi_lora.json names its
+        LoRA adapters (listed and served as models of their own); None: no adapters are listed."""
         self.url = url
+        self.model_repository = Path(model_repository) if model_repository else None
         self.client: grpcaio.InferenceServerClient | None = None
         self._models: dict[str, ModelInfo] = {}
         self._not_ready: dict[str, tuple[str, str]] = {}  # in the repository, not serving: name -> (state, reason)
@@ -213,10 +227,21 @@ class TritonBackend:
                 config = (await self.client.get_model_config(name, as_json=True)).get("config", {})
                 if is_generate_model(config):
                     models[name] = ModelInfo(name, config)
+                    for adapter in self._adapters(name):
+                        models.setdefault(adapter, ModelInfo(adapter, config, parent=name))
         except InferenceServerException as exc:
             raise OpenAIError(503, f"tritonserver at {self.url} does not answer: {exc.message()}", "unavailable")
         self._models, self._not_ready = models, not_ready
         return models
+
+    def _adapters(self, name: str) -> list[str]:
+        """The LoRA adapters of the repository's model `name` (its multi_lora.json), as the model reads them."""
+        if self.model_repository is None:
+            return []
+        try:
+            return [adapter for adapter, _ in read_multi_lora(self.model_repository / name)]
+        except ConfigError:  # the model refuses the file at load too, and says why
+            return []
 
     def _not_serving(self, name: str) -> OpenAIError | None:
         """503 for a model of the repository that is loading (or restarting): it will serve, so retry."""
@@ -232,8 +257,9 @@ class TritonBackend:
             return self._models[name]
         models = await self.generate_models()
         if name is None:
-            if len(models) == 1:
-                return next(iter(models.values()))
+            bases = [info for info in models.values() if info.parent is None]  # a LoRA adapter is never implied
+            if len(bases) == 1:
+                return bases[0]
             loading = sorted(n for n in self._not_ready if self._not_serving(n) is not None)
             if not models and loading:
                 raise self._not_serving(loading[0])
@@ -276,7 +302,7 @@ class TritonBackend:
         inputs = request.build()
 
         async def requests():
-            yield {"model_name": request.model.name, "inputs": inputs, "request_id": request.request_id}
+            yield {"model_name": request.model.triton_model, "inputs": inputs, "request_id": request.request_id}
             # The stream stays open until the final response: half-closing then ends it cleanly, where
             # cancelling a finished stream can leave tritonserver 2.51 unable to unload the model
             # (docs/CLIENT.md).

@@ -10,6 +10,7 @@ host inputs to the worker ranks (parallel/) before running it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from tritonllm.parallel.shard import TPShard, check_shardable, rank_device
 from tritonllm.runner.tp_workers import TensorParallelWorkers, WorkerSpec, threads_per_rank
 from tritonllm.runner.head import TopLogprobs, choose_step_tokens
 from tritonllm.runner.kv_pool import plan_kv_pools
+from tritonllm.runner.lora_slots import LoraSlots
 from tritonllm.runner.model_shard import ModelShard
 from tritonllm.runner.prompt_logprobs import positions_to_score, score_prompts
 from tritonllm.runner.sampling_batch import SamplingBatch
@@ -57,10 +59,17 @@ class ModelRunner:
         self.workers: TensorParallelWorkers | None = None
         self._threads_before = 0
         platform.set_device(device)
+        if config.lora.enabled and config.cuda.graphs:
+            # A graph replays the base model's decode step: steps with adapter rows must run the layers.
+            logger.info("cuda_graphs: off while LoRA adapters are served")
+            config = self.config = dataclasses.replace(config, cuda=dataclasses.replace(config.cuda, graphs=False))
+        self.lora: LoraSlots | None = None
         try:
             if self.tp_size > 1:
                 self._start_workers(model_dir)
             self.shard = ModelShard(config, model_dir, device, dtype, max_model_len, self.tp)
+            if config.lora.enabled:  # every declared adapter read (and checked) now: a bad one fails the load
+                self.lora = LoraSlots(config.lora, self.model, device, dtype)
             self.kv_plan = plan_kv_pools(self.model, config, max_model_len, self.kv_dtype, device, self.tp_size)
             if self.workers is not None:
                 self.workers.wait_loaded()
@@ -123,7 +132,12 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepInputs:
-        host, sampled = build_host_step(scheduled, self.block_size, window_pool=bool(self.num_window_blocks))
+        lora_slots = None
+        if self.lora is not None:
+            names = {item.seq.params.lora_name for item in scheduled} - {None}
+            lora_slots = self.lora.activate(names) if names else None
+        host, sampled = build_host_step(scheduled, self.block_size, window_pool=bool(self.num_window_blocks),
+                                        lora_slots=lora_slots)
         scored = [item for item in scheduled if positions_to_score(item)]
         sampling = SamplingBatch.build(sampled, self.eos_token_ids, self.model.config.vocab_size, self.device)
         return StepInputs(host, to_device(host, self.device), sampled, sampling, scored)

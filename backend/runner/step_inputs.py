@@ -13,6 +13,7 @@ import torch
 
 from tritonllm.layers.attention_metadata import AttentionMetadata, SequenceBatch
 from tritonllm.layers.kv_layout import HEAD_MAJOR, copy_slots
+from tritonllm.layers.lora import LoraBatch
 from tritonllm.scheduling.block_manager import KVCopy
 from tritonllm.scheduling.scheduler import ScheduledSeq
 
@@ -42,6 +43,9 @@ class HostStep:
     kv_copy_dst: np.ndarray
     window_kv_copy_src: np.ndarray  # ... in the sliding layers' own pool
     window_kv_copy_dst: np.ndarray
+    # Multi-LoRA: (adapter slot, first row, end row) runs of the rows that use an adapter (layers/lora.py);
+    # None: every row is the base model's.
+    lora_segments: list[tuple[int, int, int]] | None = None
 
 
 @dataclass
@@ -54,8 +58,8 @@ class DeviceStep:
     window_kv_copy: tuple[torch.Tensor, torch.Tensor] | None  # ... in the sliding layers' own pool
 
 
-def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
-                    window_pool: bool = False) -> tuple[HostStep, list[ScheduledSeq]]:
+def build_host_step(scheduled: list[ScheduledSeq], block_size: int, window_pool: bool = False,
+                    lora_slots: dict[str, int] | None = None) -> tuple[HostStep, list[ScheduledSeq]]:
     """The step's flat inputs, and the sequences that choose a token (in logits-row order; a sequence
     with a speculative draft once per row of it).
 
@@ -63,10 +67,13 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
     implementation derives what its queries see (a sliding layer applies its window itself).
     `window_pool`: the sliding layers' K/V live in a pool of their own (scheduling/window_pool.py),
     with the sequences' `window_block_table`s.
+    `lora_slots`: the step's adapters' slots (runner/lora_slots.py); each adapter's decodes, and its prompt
+    chunks, are then neighbours, so its rows form few runs (`lora_segments`).
     """
     bs = block_size
-    decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
-    prefills = [s for s in scheduled if s.num_new_tokens > 1]
+    slot = (lambda s: lora_slots.get(s.seq.params.lora_name, -1)) if lora_slots else (lambda s: -1)
+    decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: (slot(s), s.seq.num_computed_tokens))
+    prefills = sorted((s for s in scheduled if s.num_new_tokens > 1), key=slot)
     input_ids: list[int] = []
     positions: list[np.ndarray] = []
     slots: list[np.ndarray] = []
@@ -98,8 +105,23 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int,
         seqs=_sequences(decodes + prefills, len(decodes), bs, window_pool),
         logits_rows=np.asarray(logits_rows, dtype=np.int64),
         **_kv_copy_slots([c for s in scheduled for c in s.kv_copies], bs),
+        lora_segments=_lora_segments(decodes + prefills, slot) if lora_slots else None,
     )
     return host, sampled
+
+
+def _lora_segments(items: list[ScheduledSeq], slot) -> list[tuple[int, int, int]] | None:
+    """(slot, first row, end row) of each run of neighbouring rows with one adapter; None if no row has one."""
+    runs: list[tuple[int, int, int]] = []
+    for item in items:
+        s, start, end = slot(item), item.first_row, item.first_row + item.num_new_tokens
+        if s < 0:
+            continue
+        if runs and runs[-1][0] == s and runs[-1][2] == start:
+            runs[-1] = (s, runs[-1][1], end)
+        else:
+            runs.append((s, start, end))
+    return runs or None
 
 
 def _sequences(items: list[ScheduledSeq], num_decodes: int, bs: int, window_pool: bool) -> HostSeqs:
@@ -153,6 +175,8 @@ def to_device(host: HostStep, device: torch.device) -> DeviceStep:
         meta.sliding = metadata(sliding=True)
     kv_copy = (to(host.kv_copy_src), to(host.kv_copy_dst)) if len(host.kv_copy_src) else None
     window_kv_copy = (to(host.window_kv_copy_src), to(host.window_kv_copy_dst)) if len(host.window_kv_copy_src) else None
+    if host.lora_segments:
+        meta.lora = LoraBatch(host.lora_segments)
     return DeviceStep(to(host.input_ids), to(host.positions), meta, to(host.logits_rows), kv_copy, window_kv_copy)
 
 

@@ -74,13 +74,20 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def chain_root(seq: Sequence) -> int | None:
+    """The parent hash of a sequence's first block: None for the base model, the adapter's identity for a
+    LoRA request, whose K/V differ from the base model's for the same tokens (two adapters never share)."""
+    name = seq.params.lora_name
+    return None if name is None else hash(("lora", name))
+
+
 def extend_block_hashes(seq: Sequence, block_size: int) -> range:
     """Chain the hashes of `seq`'s blocks whose K/V are now completely computed; the indexes added."""
     hashes = seq.block_hashes
     start, full = len(hashes), seq.num_computed_tokens // block_size
     tokens = seq.token_ids
     for i in range(start, full):
-        hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        hashes.append(chain_hash(hashes[-1] if hashes else chain_root(seq), tuple(tokens[i * block_size:(i + 1) * block_size])))
     return range(start, max(full, start))
 
 
@@ -147,7 +154,7 @@ class BlockManager:
         limit = limit if max_blocks is None else min(limit, max_blocks)
         hits: list[int | None] = []
         hashes: list[int] = []
-        parent = None
+        parent = root = chain_root(seq)
         for i in range(limit):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             h = chain_hash(parent, block_tokens)
@@ -162,7 +169,7 @@ class BlockManager:
         num = self._usable_blocks(hits)
         behind = self.first_attended_block(num * bs)  # never read again: not taken even where cached
         match.blocks = [-1 if b is None or i < behind else b for i, b in enumerate(hits[:num])]
-        parent = hashes[num - 1] if num else None
+        parent = hashes[num - 1] if num else root
         start = num * bs
         # Longer leading runs are looked up while shorter ones hit; a hit is confirmed token by token.
         for k in range(1, min(bs - 1, len(tokens) - 1 - start) + 1):
@@ -359,7 +366,7 @@ class BlockManager:
                 continue
             block = self.blocks[block_id]
             if block.hash is None:
-                h, parent = hashes[i], hashes[i - 1] if i else None
+                h, parent = hashes[i], hashes[i - 1] if i else chain_root(seq)
                 block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
                 block.hash, block.parent_hash, block.token_ids = h, parent, block_tokens
                 if self._hash_to_block.setdefault(h, block_id) == block_id:

@@ -52,9 +52,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager | WindowPoolBlockManager, config: SchedulerConfig,
-                 max_model_len: int, cache: CacheConfig | None = None, speculative: SpeculativeConfig | None = None):
+                 max_model_len: int, cache: CacheConfig | None = None, speculative: SpeculativeConfig | None = None,
+                 max_loras: int = 0):
         """`cache`: for its recent-window pruning settings; `speculative`: drafts as configured where the
-        runner computes drafted rows exactly (None: no drafts)."""
+        runner computes drafted rows exactly (None: no drafts); `max_loras`: the most LoRA adapters running
+        at once (the runner's adapter slots), where adapters are served."""
         self.block_manager = block_manager
         self.config = config
         self.max_model_len = max_model_len
@@ -63,6 +65,7 @@ class Scheduler:
         self.waiting: list[tuple[tuple, Sequence]] = []  # sorted by policy key
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.max_loras = max_loras
 
     # ---- queues ----------------------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple:
@@ -144,10 +147,14 @@ class Scheduler:
         # blocking the queue): next step it reuses the lead's prompt blocks.
         now = time.time()
         growth = self._known_growth(scheduled) if self.waiting and not num_preempted else []
+        # A request for an adapter that is not running waits while max_loras others run (others pass it).
+        adapters = {seq.params.lora_name for seq in self.running} - {None} if self.max_loras else set()
         i = 0
         while i < len(self.waiting) and budget > 0 and not num_preempted and len(self.running) < self.config.max_num_seqs:
             _, seq = self.waiting[i]
-            if seq.waits_for_prefix:
+            lora_name = seq.params.lora_name
+            if seq.waits_for_prefix or (lora_name is not None and lora_name not in adapters
+                                        and len(adapters) >= self.max_loras):
                 i += 1
                 continue
             match = bm.match_prefix(seq)
@@ -171,6 +178,8 @@ class Scheduler:
             if not seq.times.scheduled:
                 seq.times.scheduled = now
             self.running.append(seq)
+            if lora_name is not None:
+                adapters.add(lora_name)
             scheduled.append(ScheduledSeq(seq, num_new, kv_copies))
             budget -= num_new
 
@@ -183,7 +192,9 @@ class Scheduler:
                 and not (self.cache.kv_window or self.cache.kv_window_ratio)):
             for item in scheduled:
                 seq = item.seq
-                if item.num_new_tokens != 1 or seq.num_uncomputed_tokens != 1:
+                # A LoRA row's delta (layers/lora.py) is not computed bit for bit alike at every row count,
+                # which drafts rely on: adapters' sequences decode one token a step.
+                if item.num_new_tokens != 1 or seq.num_uncomputed_tokens != 1 or seq.params.lora_name is not None:
                     continue
                 if seq.draft_acceptance is None:
                     seq.draft_acceptance = DraftAcceptance()

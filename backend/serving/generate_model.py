@@ -126,7 +126,7 @@ class TritonPythonModel:
         self.engine = self.loop.engine
         self.instance_name = instance_label(args, self.model_name)
         self.metrics = (EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"), self.instance_name,
-                                      self.engine.max_model_len)
+                                      self.engine.max_model_len, self.engine.step_num_tokens)
                         if config.serving.enable_metrics else None)
         if self.metrics is not None:
             # Right from the start: llm_engine_alive reads 0 until the first refresh otherwise.
@@ -163,7 +163,7 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
             if tensor is not None:
                 inputs[spec.name] = tensor.as_numpy()
-        parsed = parse_request(inputs, request.parameters())
+        parsed = parse_request(inputs, request.parameters(), self.engine.lora_names)
         assembler = ResponseAssembler(parsed, self.engine.tokenizer.decode, self.engine.config.scheduler.stream_interval)
         active = _Active(uuid.uuid4().hex, sender, assembler, self._lanes.lane())
         # Registered before submitting: the first output may arrive before submit() returns.
@@ -275,7 +275,11 @@ class TritonPythonModel:
                 cancelled = True
             if not cancelled:
                 continue
+            # The vLLM backend's log lines, which its CI (request_cancellation_test.py) looks for in the
+            # server log; the engine drops the request before its next step.
+            logger.info("[vllm] Cancelling the request %s", request_id)
             self.loop.abort(request_id)
+            logger.info("[vllm] Successfully cancelled the request %s", request_id)
             if not active.assembler.parsed.stream:
                 active.cancelled = True
                 continue

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+from tritonllm.core.multi_lora import read_multi_lora
 from tritonllm.core.parameters import ConfigError
 
 
@@ -20,4 +24,8 @@ def config_from_triton(config_class, args: dict, model_config: dict):
         if device not in ("auto", "cpu"):
             raise ConfigError(f"parameter 'device' is {device!r} but instance_group kind is KIND_CPU")
         params["device"] = "cpu"
-    return config_class.from_parameters(params)
+    config = config_class.from_parameters(params)
+    adapters = read_multi_lora(Path(args["model_repository"])) if args.get("model_repository") else ()
+    if adapters:
+        config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, adapters=adapters))
+    return config

@@ -81,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         # A child process that stops by itself once its parent is gone (tritonllm-serve; tritonserver after the
         # exec below with --no-supervise).
         grpc_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-        start_server(f"{grpc_host}:{args.grpc_port}", args.host, args.openai_port, extra_args=openai_options(args))
+        start_server(f"{grpc_host}:{args.grpc_port}", args.host, args.openai_port, extra_args=openai_options(args),
+                     model_repository=str(Path(args.model_repository).resolve()))
         print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1", flush=True)
     if args.no_supervise:
         # exec, not a child: Ctrl-C and signals reach tritonserver directly and logs go to the terminal.

@@ -21,7 +21,10 @@ _TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 class EngineMetrics:
     """Names are stable and documented in docs/METRICS.md."""
 
-    def __init__(self, pb_utils, model_name: str, model_version: str, instance_name: str, max_model_len: int = 8192):
+    def __init__(self, pb_utils, model_name: str, model_version: str, instance_name: str, max_model_len: int = 8192,
+                 step_num_tokens=None):
+        """`step_num_tokens`: the engine's queue of tokens per step (Engine.step_num_tokens), for vLLM's
+        iteration_tokens histogram."""
         labels = {"model": model_name, "version": str(model_version), "model_instance": instance_name}
         F = pb_utils.MetricFamily
 
@@ -63,7 +66,8 @@ class EngineMetrics:
                             F.GAUGE).Metric(labels=labels)
         self._preemptions_seen = 0
         # The vLLM backend's families beside ours (vllm_metrics.py): dashboards built for it work unchanged.
-        self.vllm = VllmMetrics(family, F, {"model": model_name, "version": str(model_version)}, labels, max_model_len)
+        self.vllm = VllmMetrics(family, F, {"model": model_name, "version": str(model_version)}, labels, max_model_len,
+                                step_num_tokens)
 
     def record_finished(self, out, n: int = 1) -> None:
         """One finished completion (engine RequestOutput with `times`) of a request of `n` completions."""

@@ -72,8 +72,10 @@ def _bool(value, name: str) -> bool:
     raise InvalidRequestError(f"{name} must be a boolean, got {value!r}")
 
 
-def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) -> ParsedRequest:
-    """inputs: tensor name -> numpy array (absent optional inputs left out)."""
+def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
+                  lora_names: tuple[str, ...] | list[str] = ()) -> ParsedRequest:
+    """inputs: tensor name -> numpy array (absent optional inputs left out); `lora_names`: the model's
+    LoRA adapters, which a request may name with `lora_name` (none: LoRA is not enabled)."""
     sampling: dict = {}
     flags: dict[str, bool] = {}
     if parameters_json:
@@ -117,9 +119,12 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
                 sampling[key] = float(sampling[key])
             except ValueError:
                 pass
-    if sampling.pop("lora_name", None) is not None:
-        # The vLLM backend's answer where LoRA is not enabled; this engine serves no adapters.
-        raise InvalidRequestError("lora_name: LoRA feature is not enabled (this model serves no LoRA adapters)")
+    if not lora_names and sampling.pop("lora_name", None) is not None:
+        # The vLLM backend's words, which its clients match (its multi-LoRA CI test compares them whole).
+        raise InvalidRequestError("LoRA feature is not enabled.")
+    if sampling.get("lora_name") is not None and sampling["lora_name"] not in lora_names:
+        raise InvalidRequestError(f"LoRA {sampling['lora_name']} is not supported, we currently support "
+                                  f"{list(lora_names)}")
     params = SamplingParams.from_dict(sampling)
 
     for name in _FLAGS:
@@ -128,8 +133,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None) ->
 
     if flags.get("stream") and flags.get("exclude_input_in_output") is False:
         # As the vLLM backend: a stream sends only new text, so asking for the prompt in it is an error
-        # (left out, exclude_input_in_output defaults to true when streaming).
-        raise InvalidRequestError("When streaming, `exclude_input_in_output` = False is not allowed.")
+        # (left out, exclude_input_in_output defaults to true when streaming). Its exact text: its clients
+        # and CI tests compare the message whole.
+        raise InvalidRequestError("Error generating stream: When streaming, `exclude_input_in_output` = False is not "
+                                  "allowed.")
     prompt = token_ids = None
     has_ids = "input_ids" in inputs and np.asarray(inputs["input_ids"]).size > 0
     if has_ids and "text_input" in inputs:

@@ -12,7 +12,8 @@ those of the modules. It needs:
   the sliding layers' own of Gemma 3 and OLMo 3);
 - SiLU as the MLP's activation (not Gemma's GELU), no soft-capped scores (Gemma 2), and a dense MLP
   in every layer (no experts). Query and key norms per head (Qwen3) or over the projections (OLMo), and
-  OLMo's layer (norms after the attention and the MLP instead of before) run in the stack too.
+  OLMo's layer (norms after the attention and the MLP instead of before) run in the stack too;
+- a step without LoRA adapter rows (the modules add their deltas, layers/lora.py).
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ class DecoderStack:
         # beside full ones, nor a window pool of their own (meta.sliding). Where every layer slides with
         # one window, the rows carry it.
         if meta.sliding is not None or len(self.windows) != 1:
+            return None
+        # Rows with LoRA adapters (layers/lora.py): the C++ layers add no adapter deltas, so the modules run
+        # such a step; base-only steps keep this path.
+        if meta.lora is not None:
             return None
         return attention_rows(meta.seqs, next(iter(self.windows)))
 
