@@ -165,9 +165,12 @@ def test_vllm_preemption_counter_moves_when_the_kv_pool_is_too_small(variant_ser
     def delta(samples, name, labels=_VLLM_LABELS):
         return samples.get(name + labels, 0.0) - before.get(name + labels, 0.0)
 
+    # The counters are published a few times a second: the preempted request, resumed alone at the end,
+    # can finish before its second lookup is (so wait for that too, bounded).
     after = _wait_for(lambda s: delta(s, "vllm:num_preemptions_total") > 0
                       and delta(s, "vllm:num_preemptions_total") == metric(s, "llm_preemptions_total")
-                      - metric(before, "llm_preemptions_total"), server.metrics_url)
+                      - metric(before, "llm_preemptions_total")
+                      and delta(s, "vllm:prefix_cache_queries_total") > prompts, server.metrics_url)
     preempted = delta(after, "vllm:num_preemptions_total")
     ours = metric(after, "llm_preemptions_total") - metric(before, "llm_preemptions_total")
     assert preempted > 0 and preempted == ours
