@@ -6,6 +6,7 @@ import itertools
 import json
 import re
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -100,11 +101,13 @@ def test_vllm_preemption_step_phase_and_prefix_cache_families_follow_real_reques
     time.sleep(1.0)  # the steps of earlier requests observed by a refresh before `before`
     before = scrape(url)
     num_output = 8
+    # A prompt no other test of the session sends (the server is shared): the first request finds nothing cached.
+    prompt = f"{uuid.uuid4().hex} {PROMPT}"
     client = StreamClient(triton_server.grpc_url)
     try:
         prompt_tokens = []
         for k in range(2):
-            client.send(f"p{k}", make_inputs(PROMPT, stream=False, sampling={
+            client.send(f"p{k}", make_inputs(prompt, stream=False, sampling={
                 "max_tokens": num_output, "ignore_eos": True, "temperature": 1.0, "seed": k}))
             got = client.wait([f"p{k}"])[f"p{k}"]
             assert got.error is None and got.num_output_tokens == num_output, got.error
