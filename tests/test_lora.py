@@ -171,20 +171,33 @@ def test_an_adapter_above_max_lora_rank_fails_the_load_by_name(lora_engine, adap
     assert read_adapter("sql", adapters["sql"], lora_engine.runner.model, max_rank=8).rank == 8
 
 
-def test_adapter_rows_send_the_cpu_step_layer_by_layer_and_base_steps_keep_the_stack(lora_engine, prompt_ids):
+def test_adapter_rows_take_the_cpu_decoder_stack_with_the_modules_results(lora_engine, prompt_ids):
     from torch.profiler import profile
 
-    if lora_engine.runner.model.ops.decoder_stack is None:
+    ops = lora_engine.runner.model.ops
+    if ops.decoder_stack is None:
         pytest.skip("no C++ decoder stack on this CPU / build")
+    # Base rows and three adapters' rows in every step, runs of 1 to 5 rows, prompts and decodes.
+    names = [None, "poem", "sql", "sql", "chat", "chat", "chat", "chat", "chat", "poem"]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True, lora_name=name) for name in names]
+    prompts = [prompt_ids[i % len(prompt_ids)] for i in range(len(names))]
 
-    def stack_calls(params) -> int:
+    def run() -> tuple[list, int]:
         with profile() as prof:
-            lora_engine.generate(prompt_token_ids=[prompt_ids[0]] * len(params), params=params)
-        return sum(event.count for event in prof.key_averages() if event.key == "tritonllm::decoder_stack")
+            outs = lora_engine.generate(prompt_token_ids=prompts, params=params)
+        calls = sum(event.count for event in prof.key_averages() if event.key == "tritonllm::decoder_stack")
+        return [(o.token_ids, o.logprobs) for o in outs], calls
 
-    # A base row beside an adapter's row in every step: the C++ stack (no adapter deltas) declines them all.
-    assert stack_calls([SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, lora_name="poem")]) == 0
-    assert stack_calls([SamplingParams(max_tokens=3)]) > 0
+    with_stack, calls = run()
+    assert calls > 0
+    stack, ops.decoder_stack = ops.decoder_stack, None
+    try:
+        layer_by_layer, calls = run()
+    finally:
+        ops.decoder_stack = stack
+    assert calls == 0
+    # The stack adds each linear's deltas with the kernel the modules' op calls, in the same order: the same bits.
+    assert with_stack == layer_by_layer
 
 
 # ---- no model loaded -------------------------------------------------------------------------------------

@@ -25,6 +25,10 @@ class LoraBatch:
     """Which rows of a step use which adapter slot: (slot, first row, end row) runs, base rows in none."""
 
     segments: list[tuple[int, int, int]]
+    flat_segments: list[int] = field(init=False, repr=False)  # the same, flat: what device kernels take
+
+    def __post_init__(self) -> None:
+        self.flat_segments = [n for segment in self.segments for n in segment]
 
 
 # From this many rows of one adapter, each fused part's expand runs on its own columns: fewer multiply-adds
@@ -34,17 +38,20 @@ PER_PART_ROWS = 16
 
 @dataclass
 class LoraWeights:
-    """One adapter's weights for one linear: `a_t` [in, parts x rank] (the parts' A matrices, transposed
-    and side by side), `b` [parts x rank, out] (each part's B, scaling folded in, zero outside its columns);
-    `parts`: (first, end) column of `a_t` and (first, end) column of the output, per part."""
+    """One adapter's weights for one linear: `a` [parts x rank, in] (the parts' A matrices stacked), `b`
+    [parts x rank, out] (each part's B transposed, scaling folded in, zero outside its columns); `parts`:
+    (first, end) row of `a` and (first, end) column of the output, per part (none: one part, all of them).
+    `parts_table`: the same as an int64 [parts, 4] tensor, for device kernels that take the parts."""
 
-    a_t: torch.Tensor
+    a: torch.Tensor
     b: torch.Tensor
     parts: tuple[tuple[int, int, int, int], ...] = ()
     b_parts: list[torch.Tensor] = field(init=False, repr=False)
+    parts_table: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.b_parts = [self.b[r0:r1, c0:c1] for r0, r1, c0, c1 in self.parts]  # views: no second copy
+        self.parts_table = torch.tensor(self.parts, dtype=torch.int64).reshape(-1, 4)
 
 
 def add_lora_delta(y: torch.Tensor, x: torch.Tensor, slots: list[LoraWeights | None], batch: LoraBatch) -> torch.Tensor:
@@ -54,7 +61,7 @@ def add_lora_delta(y: torch.Tensor, x: torch.Tensor, slots: list[LoraWeights | N
         if weights is None:
             continue
         rows = y[start:end]
-        shrunk = torch.mm(x[start:end], weights.a_t)
+        shrunk = torch.mm(x[start:end], weights.a.t())
         if end - start < PER_PART_ROWS or len(weights.parts) < 2:
             rows.addmm_(shrunk, weights.b)
         else:

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 # The declared ops, in the order the plan line names them.
 # The LM head is a `Linear` too (its own entry, where its weight is prepared apart); `greedy_head` is the
 # device's token choice (devices/head.py), which the backend adds to the plan.
-OPS = ("linear", "rms_norm", "add_rms_norm", "act_and_mul", "rotary_write_kv", "attention", "decoder_stack",
-       "lm_head", "greedy_head")
+OPS = ("linear", "lora_delta", "rms_norm", "add_rms_norm", "act_and_mul", "rotary_write_kv", "attention",
+       "decoder_stack", "lm_head", "greedy_head")
 
 
 class LayerOps:
@@ -97,7 +97,7 @@ class LayerOps:
 
     def plan(self) -> dict[str, str]:
         """Each op's implementation in this ops set, and why where it fell back (for the load log)."""
-        return {"linear": "torch", "rms_norm": "torch", "add_rms_norm": "torch", "act_and_mul": "torch",
+        return {"linear": "torch", "lora_delta": "torch", "rms_norm": "torch", "add_rms_norm": "torch", "act_and_mul": "torch",
                 "rotary_write_kv": "torch", "attention": "torch", "decoder_stack": "off (layer by layer)",
                 "lm_head": "torch"}
 

@@ -5,7 +5,7 @@ PEFT keeps one A [rank, in] and one B [out, rank] per targeted projection (`q_pr
 `o_proj`, `gate_proj`, `up_proj`, `down_proj`), and adds `scaling * B A x` to its output, scaling being
 `lora_alpha / rank` (`lora_alpha / sqrt(rank)` with `use_rslora`). Our Llama layers compute Q, K and V
 in one linear and gate and up in another (models/llama.py), so an adapter's parts for one of those are
-fused the same way (layers/lora.py `LoraWeights`): their A matrices side by side, and a B whose rows
+fused the same way (layers/lora.py `LoraWeights`): their A matrices stacked, and a B whose rows
 for each part write only that part's columns, with the scaling (and the family's folded residual scale)
 folded in. What this reader cannot serve exactly (DoRA, trained biases, embeddings or the LM head as
 targets, per-module rank or alpha patterns, a mixture of experts, tensor parallelism) fails the load,
@@ -147,15 +147,15 @@ def read_adapter(name: str, folder: Path, model, max_rank: int) -> LoraAdapter:
                 b_blocks.append((start, b))
             if not a_list:
                 continue
-            a_t = torch.cat(a_list, dim=0).t().contiguous()  # [in, sum of the parts' ranks]
+            a = torch.cat(a_list, dim=0).contiguous()  # [sum of the parts' ranks, in]
             out = sum(width for _, width in parts)
-            b_full = torch.zeros(a_t.shape[1], out)
+            b_full = torch.zeros(a.shape[0], out)
             row, spans = 0, []
             for start, b in b_blocks:
                 b_full[row:row + b.shape[1], start:start + b.shape[0]] = b.t()
                 spans.append((row, row + b.shape[1], start, start + b.shape[0]))
                 row += b.shape[1]
-            weights[f"layers.{layer}.{linear}"] = LoraWeights(a_t, b_full, tuple(spans))
+            weights[f"layers.{layer}.{linear}"] = LoraWeights(a, b_full, tuple(spans))
     if not weights:
         raise AdapterError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights for this model")
     return LoraAdapter(name, rank, weights)

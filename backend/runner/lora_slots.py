@@ -74,7 +74,7 @@ class LoraSlots:
         for module_name, linear in self.linears.items():
             weights = adapter.weights.get(module_name)
             linear.lora[slot] = None if weights is None else LoraWeights(
-                weights.a_t.to(self.device, self.dtype), weights.b.to(self.device, self.dtype), weights.parts)
+                weights.a.to(self.device, self.dtype), weights.b.to(self.device, self.dtype), weights.parts)
         self.slot_names[slot] = name
         self._slot_of[name] = slot
         self._last_used[slot] = self._clock

@@ -12,8 +12,9 @@ those of the modules. It needs:
   the sliding layers' own of Gemma 3 and OLMo 3);
 - SiLU as the MLP's activation (not Gemma's GELU), no soft-capped scores (Gemma 2), and a dense MLP
   in every layer (no experts). Query and key norms per head (Qwen3) or over the projections (OLMo), and
-  OLMo's layer (norms after the attention and the MLP instead of before) run in the stack too;
-- a step without LoRA adapter rows (the modules add their deltas, layers/lora.py).
+  OLMo's layer (norms after the attention and the MLP instead of before) run in the stack too.
+A step with LoRA adapter rows (layers/lora.py) runs in the stack as well: each linear's slots go in,
+and the C++ adds each run's deltas right after the linear's GEMM with the kernel the modules' op uses.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class DecoderStack:
                              for w in (layer.attn_output_norm.weight, layer.mlp_output_norm.weight)]
         linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.linears = linears  # their `lora` slots are read at each step with adapter rows
         packed: list[PackedWeight] = [lin.packed for lin in linears]
         self.biases = [lin.bias for lin in linears]
         self.out_features = [p.out_features for p in packed]
@@ -101,10 +103,6 @@ class DecoderStack:
         # one window, the rows carry it.
         if meta.sliding is not None or len(self.windows) != 1:
             return None
-        # Rows with LoRA adapters (layers/lora.py): the C++ layers add no adapter deltas, so the modules run
-        # such a step; base-only steps keep this path.
-        if meta.lora is not None:
-            return None
         return attention_rows(meta.seqs, next(iter(self.windows)))
 
     def __call__(self, hidden: torch.Tensor, kv_caches, meta: AttentionMetadata,
@@ -116,7 +114,19 @@ class DecoderStack:
         weights, scales = self.blocks if hidden.shape[0] <= self.blocks_max_rows else self.panels
         row_seq, row_end, row_start = attention
         cos, sin = meta.rope
+        lora_a, lora_b, lora_parts, lora_slots, segments = self._lora(meta)
         return torch.ops.tritonllm.decoder_stack(
             hidden, self.norms, weights, scales, self.biases, self.out_features, self._k_caches, self._v_caches,
             cos, sin, meta.slot_mapping, meta.seqs.block_table, row_seq, row_end, row_start,
-            self.qk_norms, self.whole_projection_norms, self.output_norms, self.scale, self.eps, self.num_heads, self.num_kv_heads)
+            self.qk_norms, self.whole_projection_norms, self.output_norms, self.scale, self.eps, self.num_heads, self.num_kv_heads,
+            lora_a, lora_b, lora_parts, lora_slots, segments)
+
+    def _lora(self, meta: AttentionMetadata) -> tuple[list, list, list, int, list[int]]:
+        """Every linear's adapter slots as the C++ takes them (A, B and parts lists, the slots per linear)
+        and the step's runs of rows; empty for a step of base-model rows only."""
+        if meta.lora is None or self.linears[0].lora is None:
+            return [], [], [], 0, []
+        slots = [w for lin in self.linears for w in lin.lora]
+        return ([w.a if w is not None else None for w in slots], [w.b if w is not None else None for w in slots],
+                [w.parts_table if w is not None else None for w in slots], len(self.linears[0].lora),
+                meta.lora.flat_segments)

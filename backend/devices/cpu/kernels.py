@@ -6,7 +6,8 @@ residual add + RMSNorm, rotary + KV write, SiLU * up (fused_decoder_ops.cpp); th
 argmax + log-prob in one pass (greedy_head.cpp); the GEMM on weights packed once, in
 float32 or bfloat16 (packed_gemm.cpp), and on weights that are exactly quantized blocks
 (exact_block_gemm.cpp); the float32 greedy head's argmax through a bfloat16 LM head
-(screened_greedy_head.cpp) or 8-bit dot products (int8_greedy_screen.cpp); and a Llama-family model's decoder layers in one call (decoder_stack.cpp).
+(screened_greedy_head.cpp) or 8-bit dot products (int8_greedy_screen.cpp); a Llama-family model's decoder layers in one call (decoder_stack.cpp); and multi-LoRA's per-row
+adapter deltas, one call per linear (lora_delta.cpp).
 
 torch's JIT extension builder compiles the same sources once per instruction-set variant (VARIANTS):
 `avx512_bf16` (-march=x86-64-v4 -mavx512vnni -mavx512bf16), `avx512` (-march=x86-64-v4), `avx2`
@@ -50,7 +51,8 @@ logger = logging.getLogger(__name__)
 _NAME = "tritonllm_cpu_kernels"
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp",
-             "screened_greedy_head.cpp", "int8_greedy_screen.cpp", "exact_block_gemm.cpp", "decoder_stack.cpp")]
+             "screened_greedy_head.cpp", "int8_greedy_screen.cpp", "exact_block_gemm.cpp", "decoder_stack.cpp",
+             "lora_delta.cpp")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str, "variant": str
@@ -302,6 +304,12 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[tokens, 2 * intermediate] -> SiLU(gate) * up, [tokens, intermediate]."""
     return torch.ops.tritonllm.silu_mul(gate_up)
+
+
+def lora_delta_(y: torch.Tensor, x: torch.Tensor, a: list, b: list, parts: list, segments: list[int]) -> torch.Tensor:
+    """y [rows, out] += each run's adapter delta (x A^T) B, in place: per slot its A [ranks, in], B [ranks, out]
+    and parts [P, 4] (or None: a slot that leaves this linear alone); segments: (slot, first, end) flat."""
+    return torch.ops.tritonllm.lora_delta_(y, x, a, b, parts, segments)
 
 
 def greedy_head(logits: torch.Tensor, logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

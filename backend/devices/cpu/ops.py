@@ -11,6 +11,8 @@ Which op takes which implementation, and why where it falls back to the torch re
   with Gemma 2's soft cap runs the torch attention after the fused rotary + KV write.
 - `decoder_stack`: every decoder layer as one C++ call (decoder_stack.py) where the model and the
   step allow; set by the backend once the weights are packed.
+- `lora_delta`: multi-LoRA's per-row adapter deltas, one C++ call per linear (csrc/lora_delta.cpp), for
+  float32 with the kernels built.
 - `rms_norm` (a norm with no residual add before it) stays torch: `F.rms_norm` is one call already.
 """
 
@@ -25,6 +27,7 @@ from tritonllm.devices.cpu.packed_linear import PackedWeight
 from tritonllm.layers.attention import PagedAttention
 from tritonllm.layers.attention_metadata import AttentionMetadata
 from tritonllm.layers.linear import Linear
+from tritonllm.layers.lora import LoraBatch
 from tritonllm.layers.ops import LayerOps
 
 
@@ -57,6 +60,14 @@ class CpuOps(LayerOps):
         if not layer.tied:
             layer.weight = None
 
+    def lora_delta(self, layer: Linear, x: torch.Tensor, y: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        if not self.kernels or x.dtype != torch.float32 or x.stride(-1) != 1:
+            return super().lora_delta(layer, x, y, batch)
+        slots = layer.lora
+        return kernels.lora_delta_(y, x, [w.a if w is not None else None for w in slots],
+                                   [w.b if w is not None else None for w in slots],
+                                   [w.parts_table if w is not None else None for w in slots], batch.flat_segments)
+
     def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not self.kernels:
             return super().add_rms_norm(residual, x, weight, eps)
@@ -87,10 +98,10 @@ class CpuOps(LayerOps):
             kernel = f"panel GEMM ({kernels.variant()} kernels)" if self.gemm == "avx512" else self.gemm
             plan["linear"] = plan["lm_head"] = f"{kernel} packed{blocks}"
         if self.kernels:
-            plan.update(add_rms_norm="C++", act_and_mul="C++ (SiLU; other activations torch)",
+            plan.update(lora_delta="C++ (one call per linear)", add_rms_norm="C++", act_and_mul="C++ (SiLU; other activations torch)",
                         rotary_write_kv="C++", attention="C++ paged (soft-capped layers torch)")
         else:
             why = "C++ kernels off (cpu_kernels=false, not float32, or not built)"
-            for op in ("add_rms_norm", "act_and_mul", "rotary_write_kv", "attention"):
+            for op in ("lora_delta", "add_rms_norm", "act_and_mul", "rotary_write_kv", "attention"):
                 plan[op] = f"torch ({why})"
         return plan
