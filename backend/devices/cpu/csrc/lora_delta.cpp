@@ -29,6 +29,9 @@ namespace {
 constexpr int64_t kRows = 4;             // rows of one adapter computed together
 constexpr int64_t kRanksPerTile = 4;     // shrink: ranks per tile (kRows x 4 vector sums)
 constexpr int64_t kColumnChunk = 256;    // expand: output columns per work item
+// Below this many multiply-adds (a few microseconds on one core) a call runs on its own thread: one
+// row's delta is less work than waking the other threads and meeting them at the barrier.
+constexpr int64_t kParallelMacs = 1 << 18;
 
 struct Block {
   int64_t slot, row, rows;
@@ -194,11 +197,13 @@ void add_delta(float* y, int64_t y_stride, const float* x, int64_t x_stride, int
     for (int i = 0; i < 4; ++i) q[i] = ad.parts[4 * p + i];
   };
   std::vector<ExpandItem> items;
+  int64_t macs = 0;
   for (int64_t k = 0; k < static_cast<int64_t>(blocks.size()); ++k) {
     const Adapter& ad = slots[blocks[k].slot];
     for (int64_t p = 0; p < std::max<int64_t>(ad.num_parts, 1); ++p) {
       int64_t q[4];
       part(ad, p, q);
+      macs += blocks[k].rows * ((q[1] - q[0]) * (q[3] - q[2]) + (p == 0 ? ad.ranks * in : 0));
       for (int64_t c = q[2]; c < q[3]; c += kColumnChunk) items.push_back({k, p, c, std::min(c + kColumnChunk, q[3])});
     }
   }
@@ -213,8 +218,8 @@ void add_delta(float* y, int64_t y_stride, const float* x, int64_t x_stride, int
     }
   };
   // One region for both phases: the expands wait at the barrier for every shrink.
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max(num_blocks, num_items)));
-#pragma omp parallel num_threads(threads)
+  const int threads = macs < kParallelMacs ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max(num_blocks, num_items)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < num_blocks; ++k) {
