@@ -48,6 +48,8 @@ class DecoderStack:
         linears = [lin for layer in layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         self.linears = linears  # their `lora` slots are read at each step with adapter rows
+        self._lora_weights: list = []  # the slots' LoraWeights the table was built from (kept alive by this)
+        self._lora_table: torch.Tensor | None = None
         packed: list[PackedWeight] = [lin.packed for lin in linears]
         self.biases = [lin.bias for lin in linears]
         self.out_features = [p.out_features for p in packed]
@@ -114,19 +116,43 @@ class DecoderStack:
         weights, scales = self.blocks if hidden.shape[0] <= self.blocks_max_rows else self.panels
         row_seq, row_end, row_start = attention
         cos, sin = meta.rope
-        lora_a, lora_b, lora_parts, lora_slots, segments = self._lora(meta)
+        table, lora_slots, segments = self._lora(meta)
         return torch.ops.tritonllm.decoder_stack(
             hidden, self.norms, weights, scales, self.biases, self.out_features, self._k_caches, self._v_caches,
             cos, sin, meta.slot_mapping, meta.seqs.block_table, row_seq, row_end, row_start,
             self.qk_norms, self.whole_projection_norms, self.output_norms, self.scale, self.eps, self.num_heads, self.num_kv_heads,
-            lora_a, lora_b, lora_parts, lora_slots, segments)
+            table, lora_slots, segments)
 
-    def _lora(self, meta: AttentionMetadata) -> tuple[list, list, list, int, list[int]]:
-        """Every linear's adapter slots as the C++ takes them (A, B and parts lists, the slots per linear)
-        and the step's runs of rows; empty for a step of base-model rows only."""
+    def _lora(self, meta: AttentionMetadata) -> tuple[torch.Tensor | None, int, list[int]]:
+        """The linears' adapter slots as the C++ takes them (a table of addresses, slots per linear) and the
+        step's runs of rows; (None, 0, []) for a step of base-model rows only."""
         if meta.lora is None or self.linears[0].lora is None:
-            return [], [], [], 0, []
+            return None, 0, []
         slots = [w for lin in self.linears for w in lin.lora]
-        return ([w.a if w is not None else None for w in slots], [w.b if w is not None else None for w in slots],
-                [w.parts_table if w is not None else None for w in slots], len(self.linears[0].lora),
-                meta.lora.flat_segments)
+        if self._lora_table is None or any(w is not held for w, held in zip(slots, self._lora_weights)):
+            self._lora_weights, self._lora_table = slots, lora_table(self.linears)
+        return self._lora_table, len(self.linears[0].lora), meta.lora.flat_segments
+
+
+def lora_table(linears: list) -> torch.Tensor:
+    """Per linear and slot: the addresses of its adapter's A, B and parts (0: none), its ranks and part
+    count, int64 [linears x slots, 5].
+
+    Why addresses: a step would otherwise pass every slot's three tensors of every linear (hundreds) to
+    the C++, and converting them costs more than a small step's deltas. The table is built when the
+    slots change; the caller holds the LoraWeights (and so the tensors) as long as it uses the table.
+    """
+    rows = []
+    for lin in linears:
+        for w in lin.lora:
+            if w is None:
+                rows.append((0, 0, 0, 0, 0))
+                continue
+            a, b, parts = w.a, w.b, w.parts_table
+            if not (a.dtype == b.dtype == torch.float32 and a.is_contiguous() and b.is_contiguous()
+                    and parts.is_contiguous() and a.shape == (b.shape[0], lin.in_features) and b.shape[1] == lin.out_features):
+                raise ValueError(f"LoRA weights A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a linear of "
+                                 f"{lin.in_features} in and {lin.out_features} out as contiguous float32")
+            rows.append((a.data_ptr(), b.data_ptr(), a.shape[0], parts.data_ptr() if parts.numel() else 0,
+                         parts.shape[0]))
+    return torch.tensor(rows, dtype=torch.int64)

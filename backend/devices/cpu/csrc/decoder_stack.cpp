@@ -64,10 +64,10 @@ const Ops& ops() {
 // (OLMo's post_attention_ and post_feedforward_layernorm). Attention: one paged_decode_attention call per
 // layer over all the step's rows, with the step's block_table and per row row_seq, row_end, row_start
 // (devices/cpu/attention_rows.py; the same for every layer). Returns the final residual stream (before
-// the final norm), as LlamaForCausalLM.forward does. LoRA (layers/lora.py): lora_a, lora_b and lora_parts
-// hold lora_slots entries per linear (an adapter's tensors or None), and lora_segments the step's
-// (slot, first row, end row) runs; each linear's output gets its rows' deltas (lora_delta.cpp) right
-// after its GEMM, as Linear.forward adds them. Empty lists: a step of base-model rows only.
+// the final norm), as LlamaForCausalLM.forward does. LoRA (layers/lora.py): lora_table holds lora_slots rows per
+// linear (lora_delta.h add_delta_from_table: each slot's adapter weights by address), and lora_segments
+// the step's (slot, first row, end row) runs; each linear's output gets its rows' deltas right after its
+// GEMM, as Linear.forward adds them. Empty lists: a step of base-model rows only.
 at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::TensorList weights,
                          const c10::List<c10::optional<at::Tensor>>& scales,
                          const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
@@ -75,10 +75,8 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
                          const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& row_seq,
                          const at::Tensor& row_end, const at::Tensor& row_start, at::TensorList qk_norms,
                          bool whole_projection_norms, at::TensorList output_norms, double scale, double eps,
-                         int64_t num_heads, int64_t num_kv_heads, const c10::List<c10::optional<at::Tensor>>& lora_a,
-                         const c10::List<c10::optional<at::Tensor>>& lora_b,
-                         const c10::List<c10::optional<at::Tensor>>& lora_parts, int64_t lora_slots,
-                         at::IntArrayRef lora_segments) {
+                         int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& lora_table,
+                         int64_t lora_slots, at::IntArrayRef lora_segments) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   const int64_t linears = kLinearsPerLayer * layers;
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
@@ -93,9 +91,10 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
   TORCH_CHECK(output_norms.empty() || static_cast<int64_t>(output_norms.size()) == 2 * layers,
               "decoder_stack: no output norms, or an attention and an MLP output norm per layer");
   const bool lora = !lora_segments.empty();
-  TORCH_CHECK(!lora || (lora_slots > 0 && static_cast<int64_t>(lora_a.size()) == linears * lora_slots &&
-                        lora_b.size() == lora_a.size() && lora_parts.size() == lora_a.size()),
-              "decoder_stack: LoRA's A, B and parts lists hold lora_slots entries per linear");
+  TORCH_CHECK(!lora || (lora_slots > 0 && lora_table.has_value() && lora_table->scalar_type() == at::kLong &&
+                        lora_table->is_contiguous() && lora_table->numel() == linears * lora_slots * 5),
+              "decoder_stack: LoRA's table holds lora_slots rows of 5 int64 per linear");
+  const int64_t* table = lora ? lora_table->data_ptr<int64_t>() : nullptr;
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kFloat, "decoder_stack: hidden [tokens, hidden] float32");
   const Ops& o = ops();
   const int64_t tokens = hidden_in.size(0), head_dim = k_caches[0].size(3);
@@ -103,7 +102,7 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
     const c10::optional<at::Tensor> s = scales.get(i), bias = biases.get(i);
     at::Tensor y = s.has_value() && s->defined() ? o.block_gemm.call(x, weights[i], *s, bias, out_features[i])
                                                  : o.packed_gemm.call(x, weights[i], bias, out_features[i]);
-    if (lora) tritonllm::lora::add_delta_for_linear(y, x, lora_a, lora_b, lora_parts, i, lora_slots, lora_segments);
+    if (lora) tritonllm::lora::add_delta_from_table(y, x, table + 5 * lora_slots * i, lora_slots, lora_segments);
     return y;
   };
   auto attention = [&](const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
@@ -153,7 +152,7 @@ TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
         "int[] out_features, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
         "Tensor slot_mapping, Tensor block_table, Tensor row_seq, Tensor row_end, Tensor row_start, "
         "Tensor[] qk_norms, bool whole_projection_norms, Tensor[] output_norms, float scale, float eps, int num_heads, "
-        "int num_kv_heads, Tensor?[] lora_a, Tensor?[] lora_b, Tensor?[] lora_parts, int lora_slots, int[] lora_segments) "
+        "int num_kv_heads, Tensor? lora_table, int lora_slots, int[] lora_segments) "
         "-> Tensor(c!)");
 }
 

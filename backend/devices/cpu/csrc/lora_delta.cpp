@@ -245,20 +245,25 @@ void add_delta(float* y, int64_t y_stride, const float* x, int64_t x_stride, int
   }
 }
 
-}  // namespace tritonllm::lora
-
 namespace {
 
-using tritonllm::lora::Adapter;
+void check_rows(const at::Tensor& y, const at::Tensor& x, at::IntArrayRef segments) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && y.dim() == 2 && x.dim() == 2 &&
+                  y.size(0) == x.size(0) && y.stride(1) == 1 && x.stride(1) == 1,
+              "lora_delta: x [rows, in] and y [rows, out] float32, each row contiguous");
+  TORCH_CHECK(segments.size() % 3 == 0, "lora_delta: segments are (slot, first row, end row) triples");
+  for (size_t s = 0; s < segments.size(); s += 3)
+    TORCH_CHECK(segments[s + 2] <= y.size(0), "lora_delta: a segment ends past the step's ", y.size(0), " rows");
+}
 
 // Per slot: its adapter's a [ranks, in], b [ranks, out] and parts [P, 4] (int64), or None for a slot that
 // leaves this linear alone. Checked here, once per call, so that the kernel can trust the pointers.
 std::vector<Adapter> adapters_of(const c10::List<c10::optional<at::Tensor>>& a, const c10::List<c10::optional<at::Tensor>>& b,
-                                 const c10::List<c10::optional<at::Tensor>>& parts, int64_t first, int64_t count,
-                                 int64_t in, int64_t out) {
+                                 const c10::List<c10::optional<at::Tensor>>& parts, int64_t count, int64_t in,
+                                 int64_t out) {
   std::vector<Adapter> slots(count);
   for (int64_t s = 0; s < count; ++s) {
-    const c10::optional<at::Tensor> as = a.get(first + s), bs = b.get(first + s), ps = parts.get(first + s);
+    const c10::optional<at::Tensor> as = a.get(s), bs = b.get(s), ps = parts.get(s);
     if (!as.has_value() || !as->defined()) continue;
     TORCH_CHECK(bs.has_value() && bs->defined(), "lora_delta: an adapter's A without its B");
     TORCH_CHECK(as->scalar_type() == at::kFloat && bs->scalar_type() == at::kFloat && as->is_contiguous() &&
@@ -285,43 +290,38 @@ std::vector<Adapter> adapters_of(const c10::List<c10::optional<at::Tensor>>& a, 
   return slots;
 }
 
-}  // namespace
-
-namespace tritonllm::lora {
-
-// The decoder stack's entry: linear `linear`'s slots out of lists holding `slots_per_linear` per linear.
-void add_delta_for_linear(at::Tensor& y, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& a,
-                          const c10::List<c10::optional<at::Tensor>>& b, const c10::List<c10::optional<at::Tensor>>& parts,
-                          int64_t linear, int64_t slots_per_linear, at::IntArrayRef segments) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && y.dim() == 2 && x.dim() == 2 &&
-                  y.size(0) == x.size(0) && y.stride(1) == 1 && x.stride(1) == 1,
-              "lora_delta: x [rows, in] and y [rows, out] float32, each row contiguous");
-  TORCH_CHECK(segments.size() % 3 == 0, "lora_delta: segments are (slot, first row, end row) triples");
-  const int64_t num_segments = static_cast<int64_t>(segments.size()) / 3;
-  for (int64_t s = 0; s < num_segments; ++s)
-    TORCH_CHECK(segments[3 * s + 2] <= y.size(0), "lora_delta: a segment ends past the step's ", y.size(0), " rows");
-  std::vector<Adapter> slots =
-      adapters_of(a, b, parts, linear * slots_per_linear, slots_per_linear, x.size(1), y.size(1));
-  add_delta(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0), x.size(1), y.size(1), slots.data(),
-            slots_per_linear, segments.data(), num_segments);
-}
-
-}  // namespace tritonllm::lora
-
-namespace {
-
 at::Tensor lora_delta_(at::Tensor& y, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& a,
                        const c10::List<c10::optional<at::Tensor>>& b, const c10::List<c10::optional<at::Tensor>>& parts,
                        at::IntArrayRef segments) {
   TORCH_CHECK(a.size() == b.size() && a.size() == parts.size(), "lora_delta_: one A, B and parts per slot");
-  tritonllm::lora::add_delta_for_linear(y, x, a, b, parts, 0, static_cast<int64_t>(a.size()), segments);
+  check_rows(y, x, segments);
+  const int64_t num_slots = static_cast<int64_t>(a.size());
+  std::vector<Adapter> slots = adapters_of(a, b, parts, num_slots, x.size(1), y.size(1));
+  add_delta(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0), x.size(1), y.size(1), slots.data(),
+            num_slots, segments.data(), static_cast<int64_t>(segments.size()) / 3);
   return y;
 }
 
 }  // namespace
 
+void add_delta_from_table(at::Tensor& y, const at::Tensor& x, const int64_t* table, int64_t num_slots,
+                          at::IntArrayRef segments) {
+  check_rows(y, x, segments);
+  std::vector<Adapter> slots(num_slots);
+  for (int64_t s = 0; s < num_slots; ++s) {
+    const int64_t* row = table + 5 * s;
+    if (row[0] == 0) continue;
+    slots[s] = Adapter{reinterpret_cast<const float*>(row[0]), reinterpret_cast<const float*>(row[1]), row[2],
+                       reinterpret_cast<const int64_t*>(row[3]), row[4]};
+  }
+  add_delta(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0), x.size(1), y.size(1), slots.data(),
+            num_slots, segments.data(), static_cast<int64_t>(segments.size()) / 3);
+}
+
+}  // namespace tritonllm::lora
+
 TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
   m.def("lora_delta_(Tensor(a!) y, Tensor x, Tensor?[] a, Tensor?[] b, Tensor?[] parts, int[] segments) -> Tensor(a!)");
 }
 
-TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("lora_delta_", &lora_delta_); }
+TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("lora_delta_", &tritonllm::lora::lora_delta_); }

@@ -25,10 +25,11 @@ struct Adapter {
 void add_delta(float* y, int64_t y_stride, const float* x, int64_t x_stride, int64_t in, int64_t out,
                const Adapter* slots, int64_t num_slots, const int64_t* segments, int64_t num_segments);
 
-// add_delta for linear `linear` of lists holding `slots_per_linear` slots per linear (the decoder
-// stack's: every linear's slots in one list), each slot's a, b and parts tensors or None.
-void add_delta_for_linear(at::Tensor& y, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& a,
-                          const c10::List<c10::optional<at::Tensor>>& b, const c10::List<c10::optional<at::Tensor>>& parts,
-                          int64_t linear, int64_t slots_per_linear, at::IntArrayRef segments);
+// add_delta for one linear whose slots are given as rows of a table, `num_slots` rows of five int64:
+// the addresses of A, B and the parts (0 for none) with the ranks and the part count (A's address 0:
+// no adapter). The decoder stack's form: the caller built the table from live tensors whose shapes it
+// checked, and keeps them alive.
+void add_delta_from_table(at::Tensor& y, const at::Tensor& x, const int64_t* table, int64_t num_slots,
+                          at::IntArrayRef segments);
 
 }  // namespace tritonllm::lora
