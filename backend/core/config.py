@@ -239,6 +239,9 @@ class ServingConfig:
     log_level: str = "info"  # debug adds one line per finished request with its timestamps
     # Threads sending responses to tritonserver, each send a round trip (serving/response_lanes.py).
     response_threads: int = 4
+    # A stream's responses after its first built when its sender thread reaches them, carrying every
+    # token that came meanwhile: fewer, fuller responses once the sends lag behind the steps.
+    response_coalescing: bool = False
 
     def __post_init__(self) -> None:
         _non_negative(self, "response_threads")

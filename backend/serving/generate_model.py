@@ -82,7 +82,7 @@ def _response_parameters_supported() -> bool:
 class _Active:
     """A request the response thread is serving."""
 
-    __slots__ = ("request_id", "sender", "assembler", "lane", "cancelled")
+    __slots__ = ("request_id", "sender", "assembler", "lane", "cancelled", "lock", "send_queued")
 
     def __init__(self, request_id: str, sender, assembler: ResponseAssembler, lane: int):
         self.request_id = request_id
@@ -90,6 +90,10 @@ class _Active:
         self.assembler = assembler
         self.lane = lane  # every response of this request leaves through this lane (response_lanes.py)
         self.cancelled = False  # not streaming: aborted, its final response (what it had) on the way
+        # Coalescing (`response_coalescing`): a send queued on the lane whose response is not built yet
+        # takes every output that arrives meanwhile; the lock orders the lane's build and the new outputs.
+        self.lock = threading.Lock()
+        self.send_queued = False
 
 
 class TritonPythonModel:
@@ -136,6 +140,7 @@ class TritonPythonModel:
         self._stopping = threading.Event()
         self._death_reported = False  # the engine died and the model is unloading itself (engine_health.py)
         self._lanes = ResponseLanes(config.serving.response_threads)
+        self._coalesce = config.serving.response_coalescing and config.serving.response_threads > 0
         self._responder = threading.Thread(target=self._respond_loop, name="tritonllm-responses", daemon=True)
         self._responder.start()
         logger.info("model %s instance %s ready in %.1f s: device=%s dtype=%s kv_blocks=%d",
@@ -232,7 +237,10 @@ class TritonPythonModel:
             self._send_error(active.sender, out.error, _ERROR_KINDS.get(out.error_kind, "unavailable"), active.lane)
             return
         assembler = active.assembler
-        assembler.add(out)
+        with active.lock:
+            assembler.add(out)
+            if active.send_queued:
+                return  # the send waiting on its lane builds its response later: these tokens go in it
         if assembler.finished:
             self._pending.pop(active.request_id, None)
             self._send(active)
@@ -244,17 +252,39 @@ class TritonPythonModel:
 
     def _send(self, active: _Active) -> None:
         assembler = active.assembler
-        tensors = [pb_utils.Tensor(name, array) for name, array in assembler.take_outputs().items()]
-        parameters = assembler.response_parameters()
+        on_failure = lambda _: self._failed(active)  # noqa: E731
+        # Coalescing: a stream's later responses are built when its lane reaches them, so that while
+        # the sends lag behind the steps a request's tokens of several steps leave in one response.
+        # Its first response is built at once and carries its first token alone (the time to first
+        # token is never traded), and a request with n > 1 keeps one response per step.
+        if self._coalesce and assembler.parsed.stream and assembler.parsed.params.n == 1 and assembler.num_taken:
+            with active.lock:
+                active.send_queued = True
+            self._lanes.send_built(active.lane, active.sender, lambda: self._build(active, queued=True), on_failure)
+            return
+        self._lanes.send(active.lane, active.sender, *self._build(active), on_failure=on_failure)
+
+    def _build(self, active: _Active, queued: bool = False) -> tuple | None:
+        """The next response of `active` and its flags (FINAL once it has finished); None for a queued
+        build of a request that an error or a cancellation has ended meanwhile (its FINAL is on the way)."""
+        assembler = active.assembler
+        with active.lock:
+            if queued:
+                active.send_queued = False
+                if self._active.get(active.request_id) is not active:
+                    return None
+            tensors = [pb_utils.Tensor(name, array) for name, array in assembler.take_outputs().items()]
+            parameters = assembler.response_parameters()
+            finished = assembler.finished
         if parameters and _response_parameters_supported():
             response = pb_utils.InferenceResponse(output_tensors=tensors, parameters=parameters)
         else:
             response = pb_utils.InferenceResponse(output_tensors=tensors)
         flags = 0
-        if assembler.finished:
+        if finished:
             self._active.pop(active.request_id, None)
             flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        self._lanes.send(active.lane, active.sender, response, flags, on_failure=lambda _: self._failed(active))
+        return response, flags
 
     def _failed(self, active: _Active) -> None:
         logger.exception("sending a response for %s failed", active.request_id)

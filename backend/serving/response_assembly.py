@@ -63,6 +63,11 @@ class ResponseAssembler:
         return self._num_finished == len(self.completions)
 
     @property
+    def num_taken(self) -> int:
+        """Responses taken so far."""
+        return self._num_taken
+
+    @property
     def has_news(self) -> bool:
         """Whether a streamed response now would carry anything: new tokens, text or an ending."""
         return any(c.ids or c.text for c in self.completions)

@@ -8,6 +8,10 @@ milliseconds at 64 streams), a single sender sets the pace of every stream. Seve
 several round trips in flight. One lane per request keeps its responses in order, its FINAL last.
 
 With no lanes (`response_threads` 0), `send` sends at once from the calling thread.
+
+`send_built` queues a send whose response is built only when the lane reaches it: what a request
+produced while its send waited in line then goes out in that one response (generate_model.py's
+`response_coalescing`), rather than one more round trip per token behind it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,15 @@ class ResponseLanes:
         else:
             self._queues[lane].put((sender, response, flags, on_failure))
 
+    def send_built(self, lane: int, sender, build: Callable[[], tuple | None],
+                   on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """As `send`, the response and flags being `build()`'s, called when the lane reaches it (at once
+        without lanes); a build that returns None sends nothing."""
+        if lane < 0 or not self._queues:
+            _send_built(sender, build, on_failure)
+        else:
+            self._queues[lane].put((sender, build, on_failure))
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Send what is queued, then stop the threads."""
         for q in self._queues:
@@ -55,7 +68,10 @@ class ResponseLanes:
     @staticmethod
     def _run(q: queue.SimpleQueue) -> None:
         while (item := q.get()) is not _STOP:
-            _send(*item)
+            if len(item) == 3:
+                _send_built(*item)
+            else:
+                _send(*item)
 
 
 def _send(sender, response, flags: int, on_failure) -> None:
@@ -69,3 +85,16 @@ def _send(sender, response, flags: int, on_failure) -> None:
             logger.exception("sending a response failed")
         else:
             on_failure(exc)
+
+
+def _send_built(sender, build, on_failure) -> None:
+    try:
+        built = build()
+    except Exception as exc:  # noqa: BLE001 - one failed build never stops the lane
+        if on_failure is None:
+            logger.exception("building a response failed")
+        else:
+            on_failure(exc)
+        return
+    if built is not None:
+        _send(sender, *built, on_failure)
