@@ -9,10 +9,15 @@ requests all submitted at once to `Engine.generate`, timed from submission to th
   and extrapolated per output token to all of them.
 Greedy, exact lengths (`min_tokens` = `max_tokens`, EOS banned as transformers' `min_new_tokens` bans it).
 Each system runs once warm. Printed: seconds, output tokens/s, ratios, and how many outputs agree
-token for token with transformers' static batch.
+token for token with transformers' static batch; for each run of ours, where its steps' time went
+(per step: scheduling, building the inputs, launching the forward and head, waiting for the ids,
+applying them; on a GPU or NPU also the forward and head's own time on the device, from events).
 
   python bench/offline_engine.py --device cuda --dtype bfloat16 --variant cuda_attention=torch \\
       loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml
+  # async scheduling against the synchronous loop, ours only (a CPU: --device cpu --dtype float32)
+  python bench/offline_engine.py --device cuda --dtype bfloat16 --variant async_scheduling=false \\
+      --no-transformers loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prompt_tokens import prompt_token_ids
-from tritonllm.engine.engine import Engine
+from tritonllm.engine.engine import Engine, StepTimings
 from tritonllm.models.model_files import resolve_model_dir
 from tritonllm_client.workload import build_requests, load_scenario
 
@@ -41,21 +46,38 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def run_ours(model_dir: str, device: str, dtype: str, ids, maxes, params: dict) -> tuple[float, list, str]:
+def run_ours(model_dir: str, device: str, dtype: str, ids, maxes, params: dict) -> tuple[float, list, str, str]:
+    """(seconds, tokens per request, the backend's plan, where the steps' time went)."""
     engine = Engine(model=model_dir, device=device, dtype=dtype, max_num_seqs=256, max_model_len=2048,
                     max_num_batched_tokens=4096, **params)
-    backend = engine.runner.backend.describe()
+    backend = engine.runner.backend.describe() + ("; async scheduling" if engine.async_scheduling else "")
     engine.generate(prompt_token_ids=ids[:8], params={"max_tokens": 16, "ignore_eos": True})  # warm-up
     _sync(device)
+    engine.runner.time_device = True
+    engine.step_timings = StepTimings()
     start = time.perf_counter()
     outs = engine.generate(prompt_token_ids=ids,
                            params=[{"max_tokens": m, "min_tokens": m, "ignore_eos": True} for m in maxes])
     _sync(device)
     seconds = time.perf_counter() - start
+    breakdown = step_breakdown(engine.step_timings, seconds, engine.device.type == "cpu")
     engine.close()
     del engine
     _free(device)
-    return seconds, [o.token_ids for o in outs], backend
+    return seconds, [o.token_ids for o in outs], backend, breakdown
+
+
+def step_breakdown(t: StepTimings, seconds: float, host_device: bool) -> str:
+    """Per step, in ms: the wall time, then where the engine's thread spent it."""
+    n = max(t.steps, 1)
+    ms = lambda s: f"{1000 * s / n:.2f}"  # noqa: E731
+    parts = [f"{t.steps} steps, {ms(seconds)} ms each: host prepare {ms(t.schedule + t.prepare)} "
+             f"(schedule {ms(t.schedule)}, inputs {ms(t.prepare)})",
+             f"{'forward (on the host)' if host_device else 'launch'} {ms(t.launch)}", f"wait {ms(t.wait)}",
+             f"apply {ms(t.apply)}"]
+    if not host_device and t.device:
+        parts.append(f"device forward+head {ms(t.device)}")
+    return ", ".join(parts)
 
 
 def run_transformers(model_dir: str, device: str, dtype: str, ids, maxes, serial_every: int):
@@ -104,6 +126,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[],
                     help="a second run of ours with this parameter changed, name=value (repeatable, all in one run)")
     ap.add_argument("--serial-every", type=int, default=16)
+    ap.add_argument("--no-transformers", action="store_true",
+                    help="ours only (with --variant: the two runs of ours against each other)")
     args = ap.parse_args()
     model_dir = str(resolve_model_dir(args.model))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -120,13 +144,21 @@ def main() -> None:
         if args.variant:
             runs["ours " + " ".join(args.variant)] = run_ours(model_dir, args.device, args.dtype, ids, maxes,
                                                             {**base, **_params(args.variant)})
+        if args.no_transformers:
+            first = next(iter(runs.values()))[1]
+            for name, (seconds, tokens, backend, breakdown) in runs.items():
+                same = sum(a == b for a, b in zip(tokens, first))
+                print(f"  {name:32s} {seconds:8.3f} s {total / seconds:8.0f} tok/s   "
+                      f"{same}/{len(ids)} equal to ours  [{backend}]\n      {breakdown}", flush=True)
+            continue
         static, static_tokens, serial = run_transformers(model_dir, args.device, args.dtype, ids, maxes,
                                                          args.serial_every)
         _free(args.device)  # the transformers model is gone with run_transformers' frame
-        for name, (seconds, tokens, backend) in runs.items():
+        for name, (seconds, tokens, backend, breakdown) in runs.items():
             same = sum(a == b for a, b in zip(tokens, static_tokens))
             print(f"  {name:32s} {seconds:8.3f} s {total / seconds:8.0f} tok/s   {static / seconds:5.2f}x static, "
-                  f"{serial / seconds:6.1f}x serial; {same}/{len(ids)} equal to static  [{backend}]", flush=True)
+                  f"{serial / seconds:6.1f}x serial; {same}/{len(ids)} equal to static  [{backend}]\n"
+                  f"      {breakdown}", flush=True)
         print(f"  {'transformers static batch':32s} {static:8.3f} s {total / static:8.0f} tok/s")
         print(f"  {'transformers serial (sampled)':32s} {serial:8.3f} s {total / serial:8.0f} tok/s")
 

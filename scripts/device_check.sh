@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU (or an Ascend NPU): the device backend against transformers on the
 # device, a served stream and a cancelled one on the device's config variant, then the burst and
-# decode-heavy benchmarks beside vLLM's GPU build where it installs. What it shows goes to
+# decode-heavy benchmarks beside vLLM's GPU build where it installs, and async scheduling against the
+# synchronous loop. What it shows goes to
 # results/device-check/; record it in docs/DEVICES.md.
 #   bash scripts/device_check.sh            # tests and benchmarks
 #   bash scripts/device_check.sh --tests    # tests only
@@ -54,3 +55,6 @@ variant=cuda_attention=torch
 [ "$device" = npu ] && variant=npu_attention=torch
 python bench/offline_engine.py --device "$device" --dtype bfloat16 --variant "$variant" \
   loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine.log"
+# Async scheduling (on by default here) against the synchronous loop, with each run's per-step breakdown.
+python bench/offline_engine.py --device "$device" --dtype bfloat16 --variant async_scheduling=false --no-transformers \
+  loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine_async.log"

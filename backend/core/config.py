@@ -51,6 +51,12 @@ def _one_of(value, choices, name: str) -> None:
         raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
 
 
+def _auto_or_boolean(value) -> str:
+    """`auto`, or a boolean in any of config.pbtxt's spellings (or Python's), as "true" / "false"."""
+    text = str(value).strip().lower()
+    return {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(text, text)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights, in which number format, for sequences of what length."""
@@ -92,11 +98,16 @@ class SchedulerConfig:
     # Streamed responses carry at least this many new tokens (the first and the last excepted):
     # fewer responses cost less CPU per token. A request's own `stream_interval` can raise it.
     stream_interval: int = 1
+    # The host schedules and builds step N+1 while the device runs step N (engine/engine.py). auto: on
+    # where the device runs apart from the host (cuda, npu), off on the CPU, whose forward is the host's.
+    async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_batched_tokens", "stream_interval")
         _non_negative(self, "max_queue_size")
         _one_of(self.policy, SCHEDULING_POLICIES, "scheduling_policy")
+        object.__setattr__(self, "async_scheduling", _auto_or_boolean(self.async_scheduling))
+        _one_of(self.async_scheduling, ("auto", "true", "false"), "async_scheduling")
 
 
 @dataclass(frozen=True)

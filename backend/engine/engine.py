@@ -2,6 +2,15 @@
 
 Offline use: `Engine(EngineConfig(...)).generate(prompts, SamplingParams(...))`, or `stream()`.
 Serving use (one thread drives it): `add_request`, `abort`, `step` — see `engine_loop.py`.
+
+With async scheduling (`async_scheduling`), `step()` launches a step and, while the device runs it,
+applies the tokens of the step launched by the call before: the host's scheduling, input building
+and output handling overlap the device's forward. The next step is scheduled before the tokens of
+the one in flight are known: each sequence that chooses a token there holds a placeholder for it
+(`PLACEHOLDER`), so that every count (tokens, outputs, positions, slots) is what it will be; the
+input row of that token is filled on the device from the step in flight (`TokenFeed`). A sequence
+that the token in flight ends has its row in the next step discarded, and its blocks are free
+already. Outputs are those of the synchronous loop.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from tritonllm.core.config import EngineConfig, SpeculativeConfig
@@ -27,14 +37,19 @@ from tritonllm.guided.decoding import Guides, check_guided_decoding
 from tritonllm.models.families import exact_context_limit
 from tritonllm.models.loader import load_hf_config, load_tokenizer
 from tritonllm.models.model_files import resolve_model_dir
-from tritonllm.runner.model_runner import ModelRunner
+from tritonllm.runner.head import StepTokens
+from tritonllm.runner.model_runner import ModelRunner, StepInputs
+from tritonllm.runner.step_inputs import TokenFeed
 from tritonllm.runner.warmup import warm_up
 from tritonllm.scheduling.block_manager import BlockManager
 from tritonllm.scheduling.ngram_draft import accepted_tokens
-from tritonllm.scheduling.scheduler import Scheduler
+from tritonllm.scheduling.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from tritonllm.scheduling.window_pool import WindowPoolBlockManager
 
 logger = logging.getLogger(__name__)
+
+# A token chosen by the step in flight, whose id the host does not have yet (async scheduling).
+PLACEHOLDER = -1
 
 
 @dataclass
@@ -50,6 +65,39 @@ class _StreamState:
     # the stop string for the token that completed one), so the chosen tokens' decoded_token spell the
     # text_output.
     token_texts: list[str] | None = None
+    num_placeholders: int = 0  # PLACEHOLDERs at the end of its token_ids: tokens of steps in flight
+
+
+@dataclass
+class _Launched:
+    """A step launched on the device whose tokens the host has not applied yet."""
+
+    out: SchedulerOutput
+    inputs: StepInputs
+    tokens: StepTokens
+    # Some sequence that chooses a token here needs it on the host before its next step is built: a
+    # guide's mask, penalties and bad words are computed on the host from the tokens so far.
+    next_needs_host_tokens: bool
+
+
+def _reads_own_tokens_on_host(seq: Sequence) -> bool:
+    p = seq.params
+    return (seq.guided is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0 or bool(p.bad_words))
+
+
+@dataclass
+class StepTimings:
+    """Where the engine's steps spend their time: seconds summed over `steps` (reset by assigning a new
+    one to `Engine.step_timings`). A benchmark's breakdown; the engine adds to it on every step."""
+
+    steps: int = 0
+    schedule: float = 0.0  # the scheduler
+    prepare: float = 0.0  # the inputs built on the host and copied to the device
+    launch: float = 0.0  # the forward and the head issued (on the CPU: computed)
+    wait: float = 0.0  # waiting for the step's [2, batch] ids and log-probs to reach the host
+    apply: float = 0.0  # tokens appended, stop conditions, text, counters committed
+    device: float = 0.0  # the forward and the head on the device, timed by events (runner.time_device)
 
 
 class Engine:
@@ -90,6 +138,9 @@ class Engine:
                                    self._speculative(config), max_loras=config.lora.max_loras if config.lora.enabled else 0)
         self._seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _StreamState] = {}
+        self.async_scheduling = self._async_scheduling(config)
+        self._in_flight: _Launched | None = None
+        self.step_timings = StepTimings()
         self.num_steps = 0
         # Tokens each step fed to the model, oldest first, for vLLM's iteration_tokens histogram: the
         # metrics thread takes them (popleft) a few times a second. Bounded, so that nothing grows
@@ -108,6 +159,17 @@ class Engine:
                         "exactly as a one-token decode)", config.speculative.num_tokens)
             return dataclasses.replace(config.speculative, num_tokens=0)
         return config.speculative
+
+    def _async_scheduling(self, config: EngineConfig) -> bool:
+        setting = config.scheduler.async_scheduling
+        # auto: where the device computes apart from the host; the CPU's forward is the host's own time.
+        on = self.device.type in ("cuda", "npu") if setting == "auto" else setting == "true"
+        if on and config.parallel.tensor_parallel_size > 1:
+            # The worker ranks build each step's input ids from the host arrays, which hold placeholders.
+            logger.info("async_scheduling: off with tensor parallelism")
+            return False
+        logger.info("async_scheduling: %s", "on" if on else "off")
+        return on
 
     def _eos_ids(self, hf_config) -> set[int]:
         ids: set[int] = set()
@@ -244,12 +306,20 @@ class Engine:
         for seq in seqs:
             if self.scheduler.abort(seq):
                 state = self._streams[seq.request_id]
+                # A token still on its way is dropped: the caller has seen all the output there is.
+                self._drop_placeholders(seq, state)
                 outputs.append(self._retire(seq, *self._new_tokens(seq, state),
                                             self._new_text(state, seq.params.stop, final=True)))
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps launched whose tokens are not applied yet: 1 between two calls of `step` where async
+        scheduling overlaps them, else 0."""
+        return int(self._in_flight is not None)
 
     @property
     def failure(self) -> str | None:
@@ -281,15 +351,81 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, apply the new tokens; returns news for every request touched."""
-        out = self.scheduler.schedule()
+        """Schedule, launch one forward, apply new tokens; returns news for every request touched.
+
+        With async scheduling the step launched here stays on the device, and the news returned are
+        those of the step launched by the previous call, applied while this one runs."""
+        timings = self.step_timings
+        landing = self._in_flight
+        if landing is not None and (landing.next_needs_host_tokens or self.scheduler.may_draft()):
+            # The next step reads the tokens of the one in flight on the host (a guide's mask, penalties,
+            # bad words; drafts): it is built once they are there, by the next call.
+            self._in_flight = None
+            return self._land(landing)
+        started = time.perf_counter()
+        out = self.scheduler.schedule(speculate=landing is None)
+        scheduled = time.perf_counter()
+        timings.schedule += scheduled - started
         if out.is_empty:
-            return []
+            self._in_flight = None
+            return self._land(landing) if landing is not None else []
         inputs = self.runner.prepare(out.scheduled)
-        token_ids, logprobs, tops = self.runner.execute(inputs)
-        self.scheduler.commit(out)
+        if landing is not None:
+            inputs.feed = self._token_feed(out.scheduled, landing)
+        prepared = time.perf_counter()
+        timings.prepare += prepared - scheduled
+        if landing is not None and self.runner.plans_on_host:
+            landing.tokens.wait()  # the kernels' plan for this step overwrites the one the step in flight reads
+        launch_started = time.perf_counter()
+        tokens = self.runner.execute(inputs)
+        timings.launch += time.perf_counter() - launch_started
+        launched = _Launched(out, inputs, tokens, any(_reads_own_tokens_on_host(item.seq) for item in inputs.sampled))
         self.num_steps += 1
         self.step_num_tokens.append(out.num_batched_tokens)
+        # A step with drafts runs synchronously: how many of them are accepted decides the next step.
+        stays_in_flight = self.async_scheduling and not any(item.draft for item in out.scheduled)
+        if stays_in_flight:
+            for item in inputs.sampled:  # one row each: steps in flight have no drafts
+                self._streams[item.seq.request_id].num_placeholders += 1
+                item.seq.token_ids.append(PLACEHOLDER)
+        self._in_flight = launched if stays_in_flight else None
+        results = self._land(landing) if landing is not None else []
+        # After the tokens of the step before: the prefix cache hashes the tokens this step computed,
+        # and a sequence they ended keeps none of this step's K/V.
+        committing = time.perf_counter()
+        self.scheduler.commit(out)
+        timings.apply += time.perf_counter() - committing
+        if not stays_in_flight:
+            results = self._land(launched)
+        elif not self.scheduler.has_work():
+            # Every sequence of the step in flight has ended: none of its rows is used, and once it is
+            # done the engine is idle.
+            self._in_flight = None
+            self._land(launched)
+        return results
+
+    def _token_feed(self, scheduled: list[ScheduledSeq], landing: _Launched) -> TokenFeed | None:
+        """This step's rows whose token the step in flight chose, and where they are in its output."""
+        source_rows = {id(item.seq): row for row, item in enumerate(landing.inputs.sampled)}
+        rows, sources = [], []
+        for item in scheduled:
+            if self._streams[item.seq.request_id].num_placeholders:
+                rows.append(item.first_row)  # a decode of that very token: its only row
+                sources.append(source_rows[id(item.seq)])
+        if not rows:
+            return None
+        return TokenFeed(np.asarray(rows, dtype=np.int64), np.asarray(sources, dtype=np.int64),
+                         landing.tokens.packed)
+
+    def _land(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and apply them."""
+        timings = self.step_timings
+        tokens = launched.tokens
+        tokens.wait()
+        started = time.perf_counter()
+        token_ids, logprobs, tops = tokens.result()
+        device_seconds = tokens.device_seconds()
+        inputs = launched.inputs
         now = time.time()
         results = []
         row = 0
@@ -304,17 +440,31 @@ class Engine:
             if result is not None:
                 results.append(result)
             row = end
+        timings.steps += 1
+        timings.wait += tokens.wait_seconds
+        timings.apply += time.perf_counter() - started
+        if device_seconds is not None:
+            timings.device += device_seconds
         return results
+
+    def _drop_placeholders(self, seq: Sequence, state: _StreamState) -> None:
+        if state.num_placeholders:
+            del seq.token_ids[-state.num_placeholders:]
+            state.num_placeholders = 0
 
     def _apply_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list[float], tops: list,
                       now: float) -> RequestOutput | None:
         """Append a step's new tokens to `seq` (one, or with a draft the accepted ones) up to the first that
         finishes it; returns its one output for the step."""
-        if seq.is_finished:  # aborted while the step ran
+        if seq.is_finished:  # aborted while the step ran, or ended by the step before (async scheduling)
             return None
         if not seq.times.first_token:
             seq.times.first_token = now
         state = self._streams[seq.request_id]
+        # Its placeholders go while the token is applied, so that the stop conditions see what the
+        # synchronous loop sees; those of later steps in flight come back unless the token ends it.
+        num_placeholders = state.num_placeholders
+        self._drop_placeholders(seq, state)
         reason = None
         for token_id, logprob, top in zip(token_ids, logprobs, tops):
             text_before = len(state.text)
@@ -331,10 +481,14 @@ class Engine:
             out.prompt_logprobs = prompt_logprobs
             return out
         new_ids, new_lps, new_tops, new_texts = self._new_tokens(seq, state)
-        return RequestOutput(seq.request_id, new_ids, new_lps, self._new_text(state, p.stop, final=False), False, None,
-                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
-                             new_top_logprobs=new_tops, index=seq.index, prompt_logprobs=prompt_logprobs,
-                             new_token_texts=new_texts)
+        out = RequestOutput(seq.request_id, new_ids, new_lps, self._new_text(state, p.stop, final=False), False, None,
+                            seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_prompt_tokens,
+                            new_top_logprobs=new_tops, index=seq.index, prompt_logprobs=prompt_logprobs,
+                            new_token_texts=new_texts)
+        if num_placeholders > 1:
+            seq.token_ids.extend([PLACEHOLDER] * (num_placeholders - 1))
+            state.num_placeholders = num_placeholders - 1
+        return out
 
     def _append_token(self, seq: Sequence, state: _StreamState, token_id: int, logprob: float,
                       top) -> FinishReason | None:

@@ -3,6 +3,10 @@
 Validation and tokenization happen in the caller's thread (bad input raises right there); the loop
 thread owns the scheduler and the device. If a step fails, every in-flight request gets an error
 output and the loop stops: nothing hangs waiting for tokens that will never come.
+
+With async scheduling (engine.py) each `step()` leaves the step it launched running on the device
+and returns the previous step's outputs: the loop hands those to their callbacks, takes in new
+requests and aborts, and builds the next step while the device computes.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 At start-up: this rank's model, built with its device backend's ops (model_shard.py), then the KV
 pools sized (kv_pool.py) and allocated. Per step: `prepare` builds the inputs on the host and moves them in one go
-(step_inputs.py, sampling_batch.py); `execute` runs the forward and chooses the tokens (head.py).
+(step_inputs.py, sampling_batch.py); `execute` launches the forward and the choice of the tokens (head.py),
+whose ids and log-probs reach the host when the caller asks (`StepTokens.result()`).
 
 With tensor_parallel_size > 1 this process is rank 0: it runs its own shard and sends each step's
 host inputs to the worker ranks (parallel/) before running it.
@@ -23,13 +24,13 @@ from tritonllm.core.config import EngineConfig
 from tritonllm.models.loader import load_hf_config
 from tritonllm.parallel.shard import TPShard, check_shardable, rank_device
 from tritonllm.runner.tp_workers import TensorParallelWorkers, WorkerSpec, threads_per_rank
-from tritonllm.runner.head import TopLogprobs, choose_step_tokens
+from tritonllm.runner.head import StepTokens, device_started_event, launch_step_tokens
 from tritonllm.runner.kv_pool import plan_kv_pools
 from tritonllm.runner.lora_slots import LoraSlots
 from tritonllm.runner.model_shard import ModelShard
 from tritonllm.runner.prompt_logprobs import positions_to_score, score_prompts
 from tritonllm.runner.sampling_batch import SamplingBatch
-from tritonllm.runner.step_inputs import DeviceStep, HostStep, build_host_step, to_device
+from tritonllm.runner.step_inputs import DeviceStep, HostStep, TokenFeed, build_host_step, to_device
 from tritonllm.scheduling.scheduler import ScheduledSeq
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class StepInputs:
     sampled: list[ScheduledSeq]  # in the order of logits_rows
     sampling: SamplingBatch
     scored: list[ScheduledSeq]  # sequences whose prompt positions this step scores (prompt_logprobs.py)
+    # Rows whose token the previous step chose on the device and the host does not have yet (async scheduling).
+    feed: TokenFeed | None = None
 
 
 class ModelRunner:
@@ -58,6 +61,7 @@ class ModelRunner:
         self.tp = TPShard(0, self.tp_size)
         self.workers: TensorParallelWorkers | None = None
         self._threads_before = 0
+        self.time_device = False  # time each step's forward and head on the device with events (benchmarks)
         platform.set_device(device)
         if config.lora.enabled and config.cuda.graphs:
             # A graph replays the base model's decode step: steps with adapter rows must run the layers.
@@ -142,10 +146,23 @@ class ModelRunner:
         sampling = SamplingBatch.build(sampled, self.eos_token_ids, self.model.config.vocab_size, self.device)
         return StepInputs(host, to_device(host, self.device), sampled, sampling, scored)
 
+    @property
+    def plans_on_host(self) -> bool:
+        """Whether the attention kernels' plan for a step goes through a host staging buffer that the next
+        step's plan overwrites (FlashInfer's page-locked workspace, copied to the device in stream
+        order): then the next step may be built while this one runs, but launched only once it is done."""
+        return getattr(self.backend.ops, "plans", None) is not None
+
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
-        """Run the step; per sampled row its token id, log-prob (NaN if not asked) and top log-probs (None if not asked)."""
+    def execute(self, inputs: StepInputs) -> StepTokens:
+        """Launch the step: the forward and the choice of its tokens, on the device. `result()` of what it
+        returns gives per sampled row its token id, log-prob (NaN if not asked) and top log-probs (None if
+        not asked). Nothing before that waits for the device, except in steps with prompt log-probs or
+        sampled rows (temperature > 0), whose values are copied back or forth with blocking copies."""
         dev = inputs.device
+        started = device_started_event(self.device) if self.time_device else None
+        if inputs.feed is not None:
+            inputs.feed.write(dev.input_ids)
         if self.workers is not None:
             self.workers.broadcast(inputs.host)  # the other ranks start this step while we do
         try:
@@ -157,6 +174,7 @@ class ModelRunner:
         if inputs.scored:
             score_prompts(self.model, hidden, inputs.scored)
         if not inputs.sampled:
-            return [], [], []
+            return StepTokens.none(self.device)
         wants_logprob = [it.seq.params.logprobs for it in inputs.sampled]
-        return choose_step_tokens(self.model, self.backend.head, hidden[dev.logits_rows], inputs.sampling, wants_logprob)
+        return launch_step_tokens(self.model, self.backend.head, hidden[dev.logits_rows], inputs.sampling,
+                                  wants_logprob, started)

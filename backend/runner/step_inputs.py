@@ -49,6 +49,22 @@ class HostStep:
 
 
 @dataclass
+class TokenFeed:
+    """Input rows whose token the previous step chose and the host does not have yet (async scheduling):
+    the host built them with a placeholder, and `write` puts the chosen ids in their place on the device,
+    in stream order after the previous step's head and before this step's forward."""
+
+    rows: np.ndarray  # int64: this step's flat input rows
+    source_rows: np.ndarray  # int64: each one's row in the previous step's output
+    tokens: torch.Tensor  # the previous step's int32 [2, rows] output (head.StepTokens.packed), on the device
+
+    def write(self, input_ids: torch.Tensor) -> None:
+        device = input_ids.device
+        rows, sources = host_to_device(self.rows, device), host_to_device(self.source_rows, device)
+        input_ids.index_copy_(0, rows, self.tokens[0].index_select(0, sources).to(input_ids.dtype))
+
+
+@dataclass
 class DeviceStep:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -153,9 +169,19 @@ def _kv_copy_slots(copies: list[KVCopy], bs: int) -> dict[str, np.ndarray]:
     return slots
 
 
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` on `device`, without waiting for the device's queued work: an accelerator's copy comes
+    from page-locked memory of its own (a copy from pageable memory may wait for the stream; a staging
+    buffer reused by the next step could be overwritten before this copy has run)."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def to_device(host: HostStep, device: torch.device) -> DeviceStep:
     def to(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
+        return host_to_device(array, device)
 
     def sequences(s: HostSeqs, sliding: bool = False) -> SequenceBatch:
         tables = s.window_block_table if sliding and s.window_block_table is not None else s.block_table

@@ -109,12 +109,17 @@ class Scheduler:
         return True
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.running.remove(seq)
-        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        else:  # preempted while the token that ends it was on its way (async scheduling): its blocks are free
+            self.waiting = [(key, s) for key, s in self.waiting if s is not seq]
         seq.finish(reason)
 
     # ---- one step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, speculate: bool = True) -> SchedulerOutput:
+        """The next step. `speculate=False` while a step is still in flight (async scheduling): its
+        sequences' last tokens are not on the host yet, and drafts are read from them."""
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
@@ -122,8 +127,14 @@ class Scheduler:
 
         # 1. Running sequences: decodes and unfinished prompt chunks, oldest first.
         i = 0
+        num_ending = 0  # running sequences whose last token is on its way: they take no more steps
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._at_length_limit(seq):
+                # Only while a step is in flight (async scheduling): its token is this sequence's last.
+                num_ending += 1
+                i += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             target = seq.num_computed_tokens + num_new
             self._release_behind_windows(seq)  # before growing: its own freed blocks can take the new tokens
@@ -150,7 +161,8 @@ class Scheduler:
         # A request for an adapter that is not running waits while max_loras others run (others pass it).
         adapters = {seq.params.lora_name for seq in self.running} - {None} if self.max_loras else set()
         i = 0
-        while i < len(self.waiting) and budget > 0 and not num_preempted and len(self.running) < self.config.max_num_seqs:
+        while (i < len(self.waiting) and budget > 0 and not num_preempted
+               and len(self.running) - num_ending < self.config.max_num_seqs):
             _, seq = self.waiting[i]
             lora_name = seq.params.lora_name
             if seq.waits_for_prefix or (lora_name is not None and lora_name not in adapters
@@ -188,7 +200,8 @@ class Scheduler:
         # the cost of a prompt chunk or of another sequence's blocks. Not under recent-window pruning: a
         # draft row would see the blocks that decoding up to it would have dropped.
         few = len(scheduled) <= self.speculative.max_batch
-        if (self.speculative.num_tokens and not num_preempted and (few or self.speculative.min_acceptance < 1)
+        if (speculate and self.speculative.num_tokens and not num_preempted
+                and (few or self.speculative.min_acceptance < 1)
                 and not (self.cache.kv_window or self.cache.kv_window_ratio)):
             for item in scheduled:
                 seq = item.seq
@@ -211,6 +224,24 @@ class Scheduler:
                 record.expect(seq.num_tokens, draft)  # a draft not fed is still a guess to score
 
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, num_preempted)
+
+    def may_draft(self) -> bool:
+        """Whether the next step may give a sequence draft tokens (section 3 of `schedule`): a step of few
+        sequences, or a sequence whose drafts have earned a place in larger ones."""
+        spec = self.speculative
+        if not spec.num_tokens or self.cache.kv_window or self.cache.kv_window_ratio:
+            return False
+        if len(self.running) <= spec.max_batch:
+            return True
+        return spec.min_acceptance < 1 and any(
+            seq.draft_acceptance is not None and self._trusted_draft_length(seq.draft_acceptance.rate)
+            for seq in self.running)
+
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        """Whether `seq` holds as many tokens as it may: never after its tokens are all applied (it has
+        finished then), only while its last one is on the way to the host."""
+        limit = seq.params.max_tokens
+        return (limit is not None and seq.num_output_tokens >= limit) or seq.num_tokens >= self.max_model_len
 
     def _trusted_draft_length(self, rate: float) -> int:
         """Draft tokens for a sequence whose draft positions are right at `rate`, in a step of more than
@@ -274,6 +305,8 @@ class Scheduler:
         """Advance computed-token counters once the step's K/V are written. Of a drafted sequence only its
         last token's K/V count here; the accepted drafts' count once they are its tokens (`commit_accepted`)."""
         for item in out.scheduled:
+            if item.seq.is_finished:  # ended by the step before it, which landed later (async scheduling)
+                continue
             item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft)
             self.block_manager.commit_full_blocks(item.seq)
 
