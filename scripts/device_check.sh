@@ -58,3 +58,7 @@ python bench/offline_engine.py --device "$device" --dtype bfloat16 --variant "$v
 # Async scheduling (on by default here) against the synchronous loop, with each run's per-step breakdown.
 python bench/offline_engine.py --device "$device" --dtype bfloat16 --variant async_scheduling=false --no-transformers \
   loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine_async.log"
+# The served burst with one response per token, the responses built when their sender thread reaches
+# them (response_coalescing) against one response per token each.
+python bench/compare.py --scenario loadtest/scenarios/burst.yaml --systems ours --concurrency none --decode-steps 0 \
+  --ours-config "$device" --ours-param response_coalescing=true --out "$out/burst_coalescing" 2>&1 | tee "$out/burst_coalescing.log"
