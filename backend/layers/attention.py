@@ -12,8 +12,12 @@ head's blocks for a batch gives a contiguous [batch, context, head_dim] matrix t
 read as they are. Decodes (one query per sequence) use exactly that, in groups of similar length
 (`decode_groups`): per KV head, one gather of K and V, then QK^T, softmax and PV as two batched
 GEMMs; SDPA's fixed cost per (sequence, head) is not amortised by a single query row. Prompt chunks
-use SDPA over their gathered blocks. Grouped-query attention folds the query heads that share a KV
-head into the query axis, so K/V are never repeated per query head.
+gather every chunk's blocks in one copy per layer, back to back, then each chunk is one SDPA call over
+its own keys: nothing is padded to the step's longest chunk, and a chunk that starts its sequence
+takes SDPA's causal mask, which skips the masked half, rather than a mask tensor (a prefix, a window
+or pruned blocks make one, planned once per step). Grouped-query attention folds the query heads
+that share a KV head into the decodes' query axis and is SDPA's `enable_gqa` for chunks, so K/V are
+never repeated per query head.
 
 `PagedAttention` is the layer a model holds; it calls the model's ops (layers/ops.py), whose torch
 reference is `paged_attention` here and whose device implementations live in devices/.
@@ -66,14 +70,12 @@ def decode_groups(blocks: list[int], max_groups: int = MAX_DECODE_GROUPS) -> lis
 
 @dataclass
 class _Group:
-    """Sequences attended together, padded to the group's widest context and longest chunk."""
+    """Decodes attended together, padded to the group's widest context."""
 
     rows: slice  # the group's rows of the step's flat token axis
     tables: torch.Tensor  # [batch, max_blocks] int64 (pruned and padding entries point at block 0)
-    mask: torch.Tensor  # [batch, 1, max_q, width] bool: True = attend
-    query_index: torch.Tensor | None = None  # [batch, max_q] flat rows (chunks of several sequences)
-    output_index: torch.Tensor | None = None  # the real rows of the padded [batch * max_q] result
-    bias: torch.Tensor | None = None  # decodes: the mask as 0 / -inf [batch, 1, width], made once per step
+    mask: torch.Tensor  # [batch, 1, 1, width] bool: True = attend
+    bias: torch.Tensor | None = None  # the mask as 0 / -inf [batch, 1, width], made once per step
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         if self.bias is None or self.bias.dtype != dtype:
@@ -83,39 +85,74 @@ class _Group:
 
 
 def _group(seqs: SequenceBatch, first: int, end: int, block_size: int, window: int | None) -> _Group:
-    """Sequences [first, end) of the step as one group, their masks computed from their lengths."""
+    """Decodes [first, end) of the step as one group, their masks computed from their lengths."""
     device = seqs.block_table.device
-    starts, lens = seqs.query_start_loc_host[first:end + 1], seqs.seq_lens_host[first:end]
-    q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    max_blocks, max_q = max(-(-n // block_size) for n in lens), max(q_lens)
+    lens = seqs.seq_lens_host[first:end]
+    max_blocks = max(-(-n // block_size) for n in lens)
     tables = seqs.block_table[first:end, :max_blocks].long()
-    q_lens_t = torch.tensor(q_lens, device=device)
-    q_pos = (seqs.seq_lens[first:end].long() - q_lens_t)[:, None] + torch.arange(max_q, device=device)
+    q_pos = seqs.seq_lens[first:end].long() - 1
     key_pos = torch.arange(max_blocks * block_size, device=device)
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]
-    mask &= (tables >= 0).repeat_interleave(block_size, dim=1)[:, None, :]  # blocks a pruned context gave back
+    mask = key_pos[None, :] <= q_pos[:, None]
+    mask &= (tables >= 0).repeat_interleave(block_size, dim=1)  # blocks a pruned context gave back
     if window is not None:  # a sliding layer's query at p sees keys p - window < k <= p
-        mask &= key_pos[None, None, :] > q_pos[:, :, None] - window
-    group = _Group(slice(starts[0], starts[-1]), tables.clamp(min=0), mask[:, None])
-    if len(q_lens) > 1 and max_q > 1:
-        j = torch.arange(max_q, device=device)[None, :]
-        real = j < q_lens_t[:, None]
-        group.query_index = torch.tensor(starts[:-1], device=device)[:, None] + torch.minimum(j, q_lens_t[:, None] - 1)
-        group.output_index = torch.from_numpy(np.concatenate(
-            [i * max_q + np.arange(n) for i, n in enumerate(q_lens)])).to(device, non_blocking=True)
-        mask &= real[:, :, None]
-        mask[:, :, 0] |= ~real  # padding rows attend somewhere: no NaN from an empty softmax
-    return group
+        mask &= key_pos[None, :] > q_pos[:, None] - window
+    return _Group(slice(first, end), tables.clamp(min=0), mask[:, None, None])
 
 
-def _groups(seqs: SequenceBatch, block_size: int, window: int | None) -> list[_Group]:
-    """The step's groups for layers of this `window`, made by the first such layer, kept for the rest."""
+@dataclass
+class _Chunk:
+    """One prompt chunk: its query rows, its keys in the step's gathered K/V, and what its queries see."""
+
+    rows: slice  # its rows of the step's flat token axis
+    keys: slice  # its context's keys in the gathered [kv_heads, keys, head_dim]
+    # [q_len, context] bool, True = attend; None: the chunk starts the sequence and sees its whole causal
+    # past, which SDPA's own causal mask (top-left aligned) gives without a mask to read.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class _Chunks:
+    """The step's prompt chunks: every chunk's blocks back to back, gathered once per layer."""
+
+    flat_tables: torch.Tensor  # [blocks] int64 (pruned entries point at block 0)
+    chunks: list[_Chunk]
+
+
+def _chunks(seqs: SequenceBatch, block_size: int, window: int | None) -> _Chunks:
+    """The prompt chunks (the sequences after the decodes), planned from the host's lengths and tables."""
+    device = seqs.block_table.device
+    starts, lens = seqs.query_start_loc_host, seqs.seq_lens_host
+    tables, chunks, offset = [], [], 0
+    for i in range(seqs.num_decodes, len(lens)):
+        context, q_len = lens[i], starts[i + 1] - starts[i]
+        num_blocks = -(-context // block_size)
+        table = np.asarray(seqs.block_table_host[i, :num_blocks], dtype=np.int64)
+        pruned = bool((table < 0).any())
+        mask = None
+        if q_len < context or pruned or (window is not None and window < context):
+            key_pos = torch.arange(context, device=device)
+            q_pos = torch.arange(context - q_len, context, device=device)[:, None]
+            mask = key_pos <= q_pos
+            if window is not None:  # a sliding layer's query at p sees keys p - window < k <= p
+                mask &= key_pos > q_pos - window
+            if pruned:  # blocks a pruned context gave back
+                kept = torch.from_numpy(table >= 0).to(device).repeat_interleave(block_size)[:context]
+                mask &= kept
+        tables.append(np.maximum(table, 0))
+        chunks.append(_Chunk(slice(starts[i], starts[i + 1]), slice(offset, offset + context), mask))
+        offset += num_blocks * block_size
+    flat = torch.from_numpy(np.concatenate(tables)).to(device, non_blocking=True)
+    return _Chunks(flat, chunks)
+
+
+def _plan(seqs: SequenceBatch, block_size: int, window: int | None) -> tuple[list[_Group], _Chunks | None]:
+    """The step's decode groups and prompt chunks for layers of this `window`, made by the first such layer,
+    kept for the rest."""
     if window not in seqs.plans:
         decode_blocks = [-(-n // block_size) for n in seqs.seq_lens_host[:seqs.num_decodes]]
         groups = [_group(seqs, a, b, block_size, window) for a, b in decode_groups(decode_blocks)]
-        if len(seqs.seq_lens_host) > seqs.num_decodes:
-            groups.append(_group(seqs, seqs.num_decodes, len(seqs.seq_lens_host), block_size, window))
-        seqs.plans[window] = groups
+        chunks = _chunks(seqs, block_size, window) if len(seqs.seq_lens_host) > seqs.num_decodes else None
+        seqs.plans[window] = groups, chunks
     return seqs.plans[window]
 
 
@@ -157,30 +194,26 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
-def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
+def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   scale: float, softcap: float | None = None) -> torch.Tensor:
-    """Prompt chunks. q: [batch, max_q, heads, head_dim] -> [batch, max_q, heads, head_dim]."""
-    batch, max_q, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[0]
-    per_kv = num_heads // kv_heads
-    width = group.tables.shape[1] * k_cache.shape[2]
-    flat_tables = group.tables.reshape(-1)
-    # -> [batch, kv_heads, width, d] (a strided view; SDPA reads it in place)
-    k = _gather(k_cache, flat_tables).to(q.dtype).view(kv_heads, batch, width, head_dim).transpose(0, 1)
-    v = _gather(v_cache, flat_tables).to(q.dtype).view(kv_heads, batch, width, head_dim).transpose(0, 1)
-    # [batch, max_q, kv_heads, per_kv, d] -> [batch, kv_heads, max_q * per_kv, d]
-    q = q.view(batch, max_q, kv_heads, per_kv, head_dim).permute(0, 2, 1, 3, 4).reshape(
-        batch, kv_heads, max_q * per_kv, head_dim)
-    mask = group.mask
-    if max_q > 1 and per_kv > 1:
-        mask = mask.repeat_interleave(per_kv, dim=2)
+    """One prompt chunk. q: [q_len, heads, head_dim], k and v: [kv_heads, context, head_dim] ->
+    [q_len, heads, head_dim]. Its own SDPA call: nothing padded, and the causal half skipped where the
+    chunk starts its sequence."""
+    num_heads, kv_heads = q.shape[1], k.shape[0]
+    q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d] (a strided view; SDPA reads it in place)
+    k, v = k.unsqueeze(0), v.unsqueeze(0)
     if softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                             enable_gqa=num_heads != kv_heads)
     else:  # SDPA cannot cap the scores: the same three steps written out
-        scores = _soft_cap(torch.matmul(q, k.transpose(-1, -2)).mul_(scale), softcap).masked_fill_(~mask, float("-inf"))
+        per_kv = num_heads // kv_heads
+        k, v = k.repeat_interleave(per_kv, dim=1), v.repeat_interleave(per_kv, dim=1)
+        scores = _soft_cap(torch.matmul(q, k.transpose(-1, -2)).mul_(scale), softcap)
+        if mask is None:
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
+        scores.masked_fill_(~mask, float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
-    return out.view(batch, kv_heads, max_q, per_kv, head_dim).permute(0, 2, 1, 3, 4).reshape(
-        batch, max_q, num_heads, head_dim)
+    return out[0].transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: SequenceBatch,
@@ -190,14 +223,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2). `window`: each
     query sees only its last `window` positions (a sliding layer)."""
     out = torch.empty_like(q)
-    for g in _groups(seqs, k_cache.shape[2], window):
-        if g.query_index is None and g.mask.shape[2] == 1:  # decodes
-            out[g.rows] = _decode_group(q[g.rows], k_cache, v_cache, g, scale, softcap)
-        elif g.query_index is None:  # a single prompt chunk: no padding needed
-            out[g.rows] = _attend_group(q[g.rows].unsqueeze(0), k_cache, v_cache, g, scale, softcap).squeeze(0)
-        else:
-            res = _attend_group(q[g.query_index], k_cache, v_cache, g, scale, softcap)
-            out[g.rows] = res.reshape(-1, *res.shape[2:])[g.output_index]
+    groups, chunks = _plan(seqs, k_cache.shape[2], window)
+    for g in groups:
+        out[g.rows] = _decode_group(q[g.rows], k_cache, v_cache, g, scale, softcap)
+    if chunks is not None:
+        head_dim = k_cache.shape[-1]
+        k = _gather(k_cache, chunks.flat_tables).view(k_cache.shape[0], -1, head_dim).to(q.dtype)
+        v = _gather(v_cache, chunks.flat_tables).view(v_cache.shape[0], -1, head_dim).to(q.dtype)
+        for c in chunks.chunks:
+            out[c.rows] = _attend_chunk(q[c.rows], k[:, c.keys], v[:, c.keys], c.mask, scale, softcap)
     return out
 
 

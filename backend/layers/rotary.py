@@ -84,6 +84,10 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, head_dim] -> rotated copy (rotate-half convention)."""
+    # x * cos + rotate_half(x) * sin, with the rotated halves read in place rather than built by a cat;
+    # each product rounded before its add, as transformers computes it (addcmul_ would fuse them).
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    out = x * cos
+    out[..., :half] -= x[..., half:] * sin[..., :half]
+    out[..., half:] += x[..., :half] * sin[..., half:]
+    return out
