@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 # own marker. A test with no tier at all stops the collection.
 TIERS = ("unit", "engine", "server", "device")  # lightest first
 SERVER_FIXTURES = frozenset({"_session_triton_server", "triton_server", "minilm_server", "variant_server"})
-ENGINE_FIXTURES = frozenset({"model_dir", "engine", "hf_model", "tokenizer"})
+ENGINE_FIXTURES = frozenset({"model_dir", "engine", "hf_model", "tokenizer", "st_model"})
 
 
 def _tier(item) -> str | None:
@@ -104,6 +104,14 @@ def hf_model(model_dir):
 @pytest.fixture(scope="session")
 def tokenizer(engine):
     return engine.tokenizer
+
+
+@pytest.fixture(scope="session")
+def st_model():
+    """sentence-transformers' model of the default embedding model: the embedding tests' reference."""
+    from sentence_reference import load_sentence_transformer
+
+    return load_sentence_transformer()
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from prompts import CHAT_PROMPTS, LONG_TEXT, PLAIN_PROMPTS
+from sentence_reference import assert_close
 from tritonllm.core.parameters import ConfigError
-from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
+from tritonllm.embeddings.config import EmbeddingConfig
 from tritonllm.embeddings.engine import EmbeddingEngine
 from tritonllm.embeddings.request import TIMESTAMPS, EmbeddingRequest, TextItem
 from tritonllm.embeddings.scheduler import EmbeddingScheduler
@@ -22,17 +23,10 @@ from tritonllm.core.sampling_params import InvalidRequestError
 
 pytestmark = pytest.mark.engine
 
-MAX_COSINE_DISTANCE = 1e-5
 TEXTS = CHAT_PROMPTS[:6] + PLAIN_PROMPTS[:4] + [
     "x", "Ünïcödé, テキスト, 中文 and an emoji 🙂", "  leading and trailing spaces  ", LONG_TEXT[:900],
     "A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
 ]
-
-
-@pytest.fixture(scope="module")
-def st_model():
-    sentence_transformers = pytest.importorskip("sentence_transformers")
-    return sentence_transformers.SentenceTransformer(str(resolve_embedding_model_dir("default")), device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +41,9 @@ def embedder():
     eng.shutdown()
 
 
-def _assert_close(ours: np.ndarray, ref: np.ndarray, normalized: bool = True) -> None:
-    assert ours.shape == ref.shape and ours.dtype == np.float32
-    if normalized:
-        np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
-    cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
-    assert (1 - cos).max() < MAX_COSINE_DISTANCE, 1 - cos
-
-
 def test_each_text_alone_matches_sentence_transformers(embedder, reference):
     ours = np.concatenate([embedder.encode([t]) for t in TEXTS])
-    _assert_close(ours, reference)
+    assert_close(ours, reference)
 
 
 def test_texts_batched_with_other_requests_match(embedder, reference):
@@ -72,7 +58,7 @@ def test_texts_batched_with_other_requests_match(embedder, reference):
     with ThreadPoolExecutor(len(groups)) as pool:
         results = list(pool.map(one, groups))
     for rows, emb in results:
-        _assert_close(emb, reference[rows])
+        assert_close(emb, reference[rows])
     after = embedder.stats()
     num_texts = after["texts"] - before["texts"]
     assert num_texts == 2 * len(TEXTS)
@@ -84,7 +70,7 @@ def test_not_normalized_is_the_plain_mean(embedder, reference):
     raw = embedder.encode(TEXTS[:5], normalize=False)
     norms = np.linalg.norm(raw, axis=1)
     assert (np.abs(norms - 1) > 0.1).all()
-    _assert_close(raw / norms[:, None], reference[:5])
+    assert_close(raw / norms[:, None], reference[:5])
 
 
 def test_too_long_text_fails_only_its_request(embedder):
@@ -102,7 +88,7 @@ def test_truncation_and_a_small_token_budget_match_sentence_transformers(st_mode
     ref = st_model.encode(texts, convert_to_numpy=True)
     eng = EmbeddingEngine(EmbeddingConfig(truncate=True, max_num_batched_tokens=300, warmup=False))
     try:
-        _assert_close(eng.encode(texts), ref)
+        assert_close(eng.encode(texts), ref)
         stats = eng.stats()
         assert stats["batches"] >= 3 and stats["tokens"] <= 300 * stats["batches"]
     finally:
@@ -116,7 +102,7 @@ def test_many_clients_with_a_tiny_budget_all_finish(reference):
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda r: eng.encode([TEXTS[i] for i in r], timeout=60), rows))
         for r, emb in zip(rows, results):
-            _assert_close(emb, reference[r])
+            assert_close(emb, reference[r])
         stats = eng.stats()
         assert stats["texts"] == sum(map(len, rows)) and stats["in_flight_requests"] == stats["queued_texts"] == 0
         assert stats["tokens"] <= 256 * stats["batches"] and stats["texts"] <= 4 * stats["batches"]
@@ -206,7 +192,7 @@ def _infer(url: str, texts: list, normalize: bool | None = None):
 
 @pytest.mark.server
 def test_server_many_texts_in_one_request(minilm_server, reference):
-    _assert_close(_infer(minilm_server.grpc_url, TEXTS), reference)
+    assert_close(_infer(minilm_server.grpc_url, TEXTS), reference)
 
 
 @pytest.mark.server
@@ -215,9 +201,9 @@ def test_server_concurrent_requests(minilm_server, reference):
     with ThreadPoolExecutor(len(groups)) as pool:
         results = list(pool.map(lambda rows: _infer(minilm_server.grpc_url, [TEXTS[r] for r in rows]), groups))
     for rows, emb in zip(groups, results):
-        _assert_close(emb, reference[rows])
+        assert_close(emb, reference[rows])
     raw = _infer(minilm_server.grpc_url, TEXTS[:2], normalize=False)
-    _assert_close(raw, reference[:2], normalized=False)
+    assert_close(raw, reference[:2], normalized=False)
 
 
 @pytest.mark.server
@@ -230,5 +216,5 @@ def test_server_bad_request_gets_invalid_arg_while_another_completes(minilm_serv
         good = pool.submit(_infer, minilm_server.grpc_url, TEXTS)
         with pytest.raises(InferenceServerException) as info:
             _infer(minilm_server.grpc_url, texts)
-        _assert_close(good.result(timeout=120), reference)
+        assert_close(good.result(timeout=120), reference)
     assert "INVALID_ARG" in str(info.value.status()) and message in info.value.message()

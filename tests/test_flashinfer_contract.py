@@ -16,16 +16,14 @@ import torch
 from torch import nn
 
 from flashinfer_reference import ContractError, FlashInferReference
-from tritonllm.core.sampling_params import SamplingParams
-from tritonllm.core.sequence import Sequence
+from shuffled_blocks import ShuffledBlocks
 from tritonllm.devices.cuda.flashinfer_attention import FlashInferPlans, LayerKind
 from tritonllm.devices.cuda.graphs import DecodeGraphs, padded_decodes
 from tritonllm.devices.cuda.ops import CudaOps
 from tritonllm.layers.attention import PagedAttention
 from tritonllm.layers.kv_layout import HEAD_MAJOR, TOKEN_MAJOR, pool_shape
 from tritonllm.layers.ops import LayerOps
-from tritonllm.runner.step_inputs import build_host_step, to_device
-from tritonllm.scheduling.scheduler import ScheduledSeq
+from tritonllm.runner.step_inputs import to_device
 
 pytestmark = pytest.mark.unit
 
@@ -42,9 +40,7 @@ class Steps:
     def __init__(self, dtype: torch.dtype, flashinfer: FlashInferReference, seed: int = 0, max_batch: int = 8):
         self.gen = torch.Generator().manual_seed(seed)
         self.dtype = dtype
-        self.free = torch.randperm(BLOCKS, generator=self.gen).tolist()
-        self.blocks: dict[str, list[int]] = {}
-        self.computed: dict[str, int] = {}
+        self.sequences = ShuffledBlocks(BLOCKS, BLOCK, self.gen)
         self.ops = CudaOps("flashinfer")
         scale = HEAD_DIM ** -0.5
         self.ours = nn.ModuleList(PagedAttention(HEADS, KV_HEADS, HEAD_DIM, scale, self.ops, **kind)
@@ -62,20 +58,7 @@ class Steps:
         assert self.torch_pools[0][0].shape == pool_shape(HEAD_MAJOR, BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
 
     def host_step(self, new_tokens: dict[str, int]):
-        scheduled = []
-        for name, new in new_tokens.items():
-            computed = self.computed.setdefault(name, 0)
-            blocks = self.blocks.setdefault(name, [])
-            while len(blocks) * BLOCK < computed + new:
-                blocks.append(self.free.pop())
-            seq = Sequence(name, list(range(computed + new)), SamplingParams())
-            seq.num_computed_tokens = computed
-            seq.block_table = list(blocks)
-            scheduled.append(ScheduledSeq(seq, new))
-        host, _ = build_host_step(scheduled, BLOCK)
-        for name, new in new_tokens.items():
-            self.computed[name] += new
-        return host
+        return self.sequences.host_step(new_tokens)
 
     def inputs(self, positions: torch.Tensor):
         """Projections (a strided view, as the fused QKV projection hands them over) and rotary tables."""

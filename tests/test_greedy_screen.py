@@ -165,35 +165,50 @@ def test_int8_screen_rejects_bad_shapes_and_handles_nan_zero_and_tiny_rows():
         Int8GreedyScreen(weight.double())
 
 
-@pytest.mark.parametrize("kind", [p for p in SCREENS if p.values[0] != "int8_avx2"])
-def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_asked(model_dir, kind):
+ENGINE_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+                  "Once upon a time, in a small village by the mountains, there lived"]
+
+
+def _screen_engine(model_dir, greedy_screen: str):
     from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
+
+    return Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2, greedy_screen=greedy_screen,
+                                               num_kv_blocks=256, warmup=False))
+
+
+@pytest.fixture(scope="module")
+def unscreened_engine_ids(model_dir) -> list[list[int]]:
+    """ENGINE_PROMPTS' greedy ids without a screen (the float32 head): what each screen must give. One
+    engine for every screen's test, as the reference does not depend on the screen under test."""
     from tritonllm.core.sampling_params import SamplingParams
 
-    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
-               "Once upon a time, in a small village by the mountains, there lived"]
-    ids_only = SamplingParams(max_tokens=24, logprobs=False)
-    outputs = {}
-    for on in (True, False):
-        engine = Engine(EngineConfig.from_parameters(model=str(model_dir), num_threads=2,
-                                                     greedy_screen=kind if on else "false", num_kv_blocks=256,
-                                                     warmup=False))
-        assert engine.runner.backend.head.screen_kind() == (kind if on else None)
-        outputs[on] = [o.token_ids for o in engine.generate(prompts, ids_only)]
-        if on:  # one request wants log-probs, three do not, in the same steps: it gets them (the float32
-            # head), they get NaN (the screen), and every id is the one it had alone
-            rids = [engine.add_request(p, SamplingParams(max_tokens=8, logprobs=i == 0)) for i, p in enumerate(prompts)]
-            lps = {rid: [] for rid in rids}
-            mixed = {rid: [] for rid in rids}
-            while engine.has_unfinished():
-                for out in engine.step():
-                    lps[out.request_id] += out.new_logprobs
-                    mixed[out.request_id] += out.new_token_ids
-            assert all(lp <= 0 and math.isfinite(lp) for lp in lps[rids[0]])
-            assert all(math.isnan(lp) for rid in rids[1:] for lp in lps[rid])
-            assert [mixed[rid] for rid in rids] == [ids[:8] for ids in outputs[True]]
-    assert outputs[True] == outputs[False]
+    engine = _screen_engine(model_dir, "false")
+    assert engine.runner.backend.head.screen_kind() is None
+    return [o.token_ids for o in engine.generate(ENGINE_PROMPTS, SamplingParams(max_tokens=24, logprobs=False))]
+
+
+@pytest.mark.parametrize("kind", [p for p in SCREENS if p.values[0] != "int8_avx2"])
+def test_engine_ids_equal_with_and_without_the_screen_and_log_probs_only_where_asked(model_dir, kind,
+                                                                                      unscreened_engine_ids):
+    from tritonllm.core.sampling_params import SamplingParams
+
+    engine = _screen_engine(model_dir, kind)
+    assert engine.runner.backend.head.screen_kind() == kind
+    screened = [o.token_ids for o in engine.generate(ENGINE_PROMPTS, SamplingParams(max_tokens=24, logprobs=False))]
+    # One request wants log-probs, three do not, in the same steps: it gets them (the float32 head), they
+    # get NaN (the screen), and every id is the one it had alone.
+    rids = [engine.add_request(p, SamplingParams(max_tokens=8, logprobs=i == 0)) for i, p in enumerate(ENGINE_PROMPTS)]
+    lps = {rid: [] for rid in rids}
+    mixed = {rid: [] for rid in rids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            lps[out.request_id] += out.new_logprobs
+            mixed[out.request_id] += out.new_token_ids
+    assert all(lp <= 0 and math.isfinite(lp) for lp in lps[rids[0]])
+    assert all(math.isnan(lp) for rid in rids[1:] for lp in lps[rid])
+    assert [mixed[rid] for rid in rids] == [ids[:8] for ids in screened]
+    assert screened == unscreened_engine_ids
 
 
 @pytest.mark.skipif(not (cpu_kernels.load() and (cpu_kernels.int8_screen_supported()

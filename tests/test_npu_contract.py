@@ -16,17 +16,15 @@ import torch
 from torch import nn
 
 from npu_reference import ContractError, NpuReference, compressed_causal_mask
+from shuffled_blocks import ShuffledBlocks
 from tritonllm.core.config import NpuOptions
-from tritonllm.core.sampling_params import SamplingParams
-from tritonllm.core.sequence import Sequence
 from tritonllm.devices.backend import Runtime
 from tritonllm.devices.npu.backend import NpuBackend
 from tritonllm.devices.npu.ops import CAUSAL_MASK_SIZE, NpuOps, causal_mask
 from tritonllm.layers.attention import PagedAttention
 from tritonllm.layers.kv_layout import HEAD_MAJOR, TOKEN_MAJOR, pool_shape
 from tritonllm.layers.ops import LayerOps
-from tritonllm.runner.step_inputs import build_host_step, to_device
-from tritonllm.scheduling.scheduler import ScheduledSeq
+from tritonllm.runner.step_inputs import to_device
 
 pytestmark = pytest.mark.unit
 
@@ -42,9 +40,7 @@ class Steps:
     def __init__(self, dtype: torch.dtype, kernels: NpuReference, seed: int = 0):
         self.gen = torch.Generator().manual_seed(seed)
         self.dtype = dtype
-        self.free = torch.randperm(BLOCKS, generator=self.gen).tolist()
-        self.blocks: dict[str, list[int]] = {}
-        self.computed: dict[str, int] = {}
+        self.sequences = ShuffledBlocks(BLOCKS, BLOCK, self.gen)
         scale = HEAD_DIM ** -0.5
         self.npu = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, scale, NpuOps(True, CPU, kernels=kernels))
         self.torch = PagedAttention(HEADS, KV_HEADS, HEAD_DIM, scale, LayerOps())
@@ -54,22 +50,9 @@ class Steps:
         self.torch_pool = tuple(p.permute(2, 0, 1, 3).contiguous() for p in self.npu_pool)
         assert self.torch_pool[0].shape == pool_shape(HEAD_MAJOR, BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
 
-    def scheduled(self, new_tokens: dict[str, int]) -> list[ScheduledSeq]:
-        scheduled = []
-        for name, new in new_tokens.items():
-            computed = self.computed.setdefault(name, 0)
-            blocks = self.blocks.setdefault(name, [])
-            while len(blocks) * BLOCK < computed + new:
-                blocks.append(self.free.pop())
-            seq = Sequence(name, list(range(computed + new)), SamplingParams())
-            seq.num_computed_tokens = computed
-            seq.block_table = list(blocks)
-            scheduled.append(ScheduledSeq(seq, new))
-        return scheduled
-
     def step(self, new_tokens: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of `new_tokens` per sequence through both paths: (NPU ops' output, torch reference's)."""
-        host, _ = build_host_step(self.scheduled(new_tokens), BLOCK)
+        host = self.sequences.host_step(new_tokens)
         num_tokens = len(host.input_ids)
         # A strided view, as the model's fused QKV projection hands attention its slices.
         wide = torch.randn(num_tokens, HEADS + 2 * KV_HEADS, 2 * HEAD_DIM, generator=self.gen).to(self.dtype)
@@ -81,8 +64,6 @@ class Steps:
         # Each path gets its own metadata: the plans each attention derives per step stay apart.
         npu_out = self.npu(qkv, rope, self.npu_pool, to_device(host, CPU).meta)
         torch_out = self.torch(qkv, rope, self.torch_pool, to_device(host, CPU).meta)
-        for name, new in new_tokens.items():
-            self.computed[name] += new
         return npu_out, torch_out
 
 

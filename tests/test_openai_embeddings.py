@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import base64
 import json
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 
+from openai_front import openai_front
 from prompts import LONG_TEXT
+from sentence_reference import assert_close
 
 openai = pytest.importorskip("openai")  # the test extra installs it (scripts/install.sh test)
 
@@ -24,15 +21,8 @@ pytestmark = pytest.mark.server
 
 MODEL = "minilm"
 DIM = 384
-MAX_COSINE_DISTANCE = 1e-5  # as tests/test_embeddings.py pins the model itself
 TEXTS = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
          "Ünïcödé, テキスト, 中文 and an emoji 🙂", "x"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -47,32 +37,9 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def api(minilm_server, tmp_path_factory):
     """Our OpenAI server (its own process, as tritonllm-serve runs it) in front of the minilm tritonserver."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("openai-embeddings") / "openai.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "tritonllm.openai", "--triton-url", minilm_server.grpc_url,
-                                    "--port", str(port), "--log-level", "info"],
-                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log.read_text(errors="replace")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, log.read_text(errors="replace")
-            time.sleep(0.5)
+    with openai_front(minilm_server.grpc_url, log, "--log-level", "info") as base:
         yield base
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")
@@ -81,24 +48,12 @@ def client(api):
 
 
 @pytest.fixture(scope="module")
-def st_model():
-    sentence_transformers = pytest.importorskip("sentence_transformers")
-    from tritonllm.embeddings.config import resolve_embedding_model_dir
-
-    return sentence_transformers.SentenceTransformer(str(resolve_embedding_model_dir("default")), device="cpu")
-
-
-@pytest.fixture(scope="module")
 def reference(st_model) -> np.ndarray:
     return st_model.encode(TEXTS, convert_to_numpy=True)
 
 
 def _assert_close(ours, ref: np.ndarray) -> None:
-    ours = np.asarray(ours, dtype=np.float32)
-    assert ours.shape == ref.shape
-    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
-    cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
-    assert (1 - cos).max() < MAX_COSINE_DISTANCE, 1 - cos
+    assert_close(np.asarray(ours, dtype=np.float32), ref)
 
 
 def test_floats_and_usage_match_sentence_transformers(client, reference, st_model):

@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
+from openai_front import openai_front
 from tritonllm.core.errors import InvalidRequestError
 from tritonllm.guided.grammar import compile_grammar
 from tritonllm.guided.structural_tag import structural_tag_grammar, structural_tag_text
@@ -302,45 +298,15 @@ def test_server_options_come_from_the_command_line_and_the_environment():
 
 # ---- through a real server ----------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def openai_server(_session_triton_server, tmp_path_factory):
     """The OpenAI server with the shipped tool template and the hermes parser, beside the session's
     tritonserver (smollm2)."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("openai-tools") / "openai.log"
-    cmd = [sys.executable, "-m", "tritonllm.openai", "--triton-url", _session_triton_server.grpc_url,
-           "--port", str(port), "--chat-template", "chatml_hermes_tools", "--enable-auto-tool-choice",
-           "--tool-call-parser", "hermes"]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, "TRITONLLM_OPENAI_ARGS": ""})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, log.read_text(errors="replace")[-3000:]
-            try:
-                with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
-                    if MODEL in r.read().decode():
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-            time.sleep(0.5)
+    with openai_front(_session_triton_server.grpc_url, log, "--chat-template", "chatml_hermes_tools",
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                      ready_path="/v1/models", ready_text=MODEL) as base:
         yield base
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

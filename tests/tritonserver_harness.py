@@ -9,6 +9,7 @@ shared with `tritonllm-serve`.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -20,6 +21,12 @@ from pathlib import Path
 
 from tritonllm.serving.tritonserver_process import (assemble_backend_dir, build_command, check_numpy, pick_ports,
                                                     server_env)
+
+
+# tritonserver's fatal-signal handler's first line (SIGSEGV, SIGABRT, ...), and how long the process
+# then gets to write its backtrace and exit by itself.
+_CRASH = re.compile(r"^Signal \((?!15\))\d+\) received\.$", re.M)
+_CRASH_GRACE_S = 3.0
 
 
 class TritonServer:
@@ -122,9 +129,19 @@ class TritonServer:
             return None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
+            deadline = time.monotonic() + timeout
+            crashed_at = None
+            while self.process.poll() is None and time.monotonic() < deadline:
+                # A crash, before or while shutting down (tritonserver 2.51 can abort in malloc after a
+                # model-control reload left two instances to unload), prints "Signal (6) received." and can
+                # then hang in its handler's backtrace: it would be killed at the deadline anyway, so it is
+                # killed now.
+                if crashed_at is None and _CRASH.search(self.log_text()):
+                    crashed_at = time.monotonic()
+                if crashed_at is not None and time.monotonic() - crashed_at > _CRASH_GRACE_S:
+                    break
+                time.sleep(0.1)
+            if self.process.poll() is None:
                 self.process.kill()
                 self.process.wait(timeout=30)
         return self.process.returncode

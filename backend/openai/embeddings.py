@@ -15,6 +15,7 @@ import base64
 import importlib.util
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from tritonclient.utils import InferenceServerException
 
 from tritonllm.openai.protocol import OpenAIError, bad_request
-from tritonllm.openai.triton import TritonBackend
+from tritonllm.openai.triton import TritonBackend, load_once
 
 # tritonclient reports a failed call's gRPC status as the text of its StatusCode.
 _HTTP_STATUS = {str(grpc.StatusCode.INVALID_ARGUMENT): 400, str(grpc.StatusCode.NOT_FOUND): 404,
@@ -199,13 +200,7 @@ class EmbeddingsFront:
     async def tokenizer(self, model: EmbeddingModel):
         """The model folder's tokenizer (config.pbtxt `model`), loaded once."""
         key = model.parameter("model", "default")
-        if key not in self._tokenizers:
-            self._tokenizers[key] = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, key))
-        try:
-            return await asyncio.shield(self._tokenizers[key])
-        except Exception:
-            self._tokenizers.pop(key, None)  # a later request tries again
-            raise
+        return await load_once(self._tokenizers, key, partial(_load_tokenizer, key))
 
     async def create(self, body: EmbeddingRequest) -> dict:
         body.check()

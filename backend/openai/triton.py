@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -24,6 +26,9 @@ from tritonclient.utils import InferenceServerException
 from tritonllm.core.multi_lora import read_multi_lora
 from tritonllm.core.parameters import ConfigError
 from tritonllm.openai.protocol import OpenAIError
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 logger = logging.getLogger("tritonllm.openai")
 
@@ -284,13 +289,7 @@ class TritonBackend:
         if name not in self._folders:
             self._folders[name] = await asyncio.to_thread(resolve_model_dir, name)
         folder = self._folders[name]
-        if folder not in self._tokenizers:
-            self._tokenizers[folder] = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, folder))
-        try:
-            return await asyncio.shield(self._tokenizers[folder])
-        except Exception:
-            self._tokenizers.pop(folder, None)  # a later request tries again
-            raise
+        return await load_once(self._tokenizers, folder, partial(_load_tokenizer, folder))
 
     async def stream(self, request: TritonRequest) -> AsyncIterator[TritonOutput]:
         """The request's responses up to the final one; an error raises OpenAIError.
@@ -341,6 +340,19 @@ class TritonBackend:
 async def _drain(call) -> None:
     async for _ in call:
         pass
+
+
+async def load_once(loads: dict[K, asyncio.Future], key: K, load: Callable[[], V]) -> V:
+    """`load()`'s result for `key`, loaded in a worker thread once however many requests ask for it at
+    the same time (each awaits the one future in `loads`). A failed load is forgotten: a later request
+    tries again."""
+    if key not in loads:
+        loads[key] = asyncio.ensure_future(asyncio.to_thread(load))
+    try:
+        return await asyncio.shield(loads[key])
+    except Exception:
+        loads.pop(key, None)
+        raise
 
 
 def _load_tokenizer(folder: Path):
