@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.devices.cpu import kernels as cpu_kernels
-from tritonllm.devices.cpu.packed_linear import PackedWeight, resolve_cpu_gemm
+from tritonllm.devices.cpu.packed_linear import PackedWeight, onednn_linear, onednn_linear_supported, resolve_cpu_gemm
 
 pytestmark = pytest.mark.unit
 
@@ -150,6 +150,53 @@ def test_cpu_gemm_falls_back_where_the_kernel_cannot_run():
     assert resolve_cpu_gemm("avx512_bf16", cpu, torch.float32) == expected_bf16
     assert resolve_cpu_gemm("avx512_bf16", cpu, torch.bfloat16) == "onednn"  # a float32 model only
     assert resolve_cpu_gemm("avx512_bf16", torch.device("cuda"), torch.float32) == "aten"
+
+
+onednn_linear_available = pytest.mark.skipif(not onednn_linear_supported(), reason="torch built without mkldnn")
+
+
+@onednn_linear_available
+@pytest.mark.parametrize("shape", [(1, 576), (64, 576), (3, 5, 96), (0, 64)])
+def test_onednn_linear_on_the_plain_weight_matches_f_linear(shape):
+    """cpu_gemm=aten's other library: torch's oneDNN linear on the [out, in] weight as it is."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    weight, bias = torch.randn(300, shape[-1]), torch.randn(300)
+    for b in (None, bias):
+        torch.testing.assert_close(onednn_linear(x, weight, b), F.linear(x, weight, b), rtol=1e-4, atol=1e-4)
+    strided = torch.randn(shape[0], 2 * shape[-1])[:, ::2] if len(shape) == 2 else x
+    torch.testing.assert_close(onednn_linear(strided, weight, None), F.linear(strided, weight), rtol=1e-4, atol=1e-4)
+
+
+@onednn_linear_available
+def test_aten_library_is_timed_for_cpu_gemm_aten_only():
+    from tritonllm.devices.cpu.ops import CpuOps
+
+    weight = torch.randn(1536, 576)
+    aten = CpuOps(False, "aten", 64, False)
+    assert aten.choose_aten_library(weight, 64) in ("blas", "onednn")
+    assert ("oneDNN" in aten.plan()["linear"]) == (aten.aten_library == "onednn")
+    assert CpuOps(False, "aten", 64, False).choose_aten_library(weight.bfloat16(), 64) == "blas"  # bf16: torch's own choice
+    assert CpuOps(False, "onednn", 64, False).choose_aten_library(weight, 64) == "blas"  # packed: not aten
+
+
+@pytest.mark.engine
+@onednn_linear_available
+def test_engine_on_cpu_gemm_aten_takes_either_library_with_the_same_tokens():
+    """The library cpu_gemm=aten times at load changes the last bits of a sum, not the greedy tokens."""
+    from tritonllm.core.config import EngineConfig
+    from tritonllm.engine.engine import Engine
+
+    engine = Engine(EngineConfig.from_parameters(device="cpu", num_threads=2, cpu_gemm="aten", cpu_kernels="false",
+                                                 num_kv_blocks=256, enable_prefix_caching="false", warmup=False))
+    ops = engine.runner.backend.ops
+    prompts = ["The capital of France is", "Once upon a time, in a small village by the mountains, there lived"]
+    params = {"max_tokens": 24, "temperature": 0.0}
+    outputs = {}
+    for library in ("blas", "onednn"):
+        ops.aten_library = library
+        outputs[library] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outputs["blas"] == outputs["onednn"]
 
 
 @pytest.mark.engine

@@ -64,6 +64,10 @@ class CpuBackend(DeviceBackend):
             ops.prepare_linear(layer)
         if ops.gemm != "aten":
             self._tune_blocks(model, layers, screens)
+        elif layers:
+            widest = max(layers, key=lambda layer: layer.weight.numel()).weight
+            if ops.choose_aten_library(widest, self.runtime.max_num_seqs) == "onednn":
+                logger.info("cpu_gemm=aten: torch's oneDNN linear, timed faster than F.linear's BLAS on this CPU")
         # greedy_screen=auto on the float32 head: the screen timed fastest against it, where one pays. Untimed
         # (cpu_gemm other than avx512, whose head is not the float32 one): the bfloat16 screen where the head
         # is that same bfloat16 copy, else the first.

@@ -4,7 +4,9 @@ packed once at load.
 Which op takes which implementation, and why where it falls back to the torch reference:
 - `linear`: the GEMM chosen by `cpu_gemm` (packed_linear.py) on the weight packed once by
   `prepare_linear`, with its exact quantized blocks where it is such blocks (exact_blocks.py); `aten`
-  packs nothing and runs `F.linear`.
+  packs nothing and runs torch on the plain weight: `F.linear` (torch's BLAS, MKL in the x86 wheels), or
+  torch's oneDNN linear where that is timed faster at load (`aten_library`: MKL takes a generic path on
+  non-Intel x86, at about half oneDNN's rate).
 - `add_rms_norm`, `act_and_mul` (SiLU only; Gemma's GELU stays torch), `rotary_write_kv` and
   `attention`: one C++ kernel each (csrc/fused_decoder_ops.cpp, csrc/paged_decode_attention.cpp),
   for float32 with the kernels built (`cpu_kernels`). The attention kernel does not cap scores: a layer
@@ -22,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.devices.cpu import kernels
+from tritonllm.devices.cpu.load_timing import faster
 from tritonllm.devices.cpu.paged_attention import kernel_attention
-from tritonllm.devices.cpu.packed_linear import PackedWeight
+from tritonllm.devices.cpu.packed_linear import PackedWeight, onednn_linear, onednn_linear_supported
 from tritonllm.layers.attention import PagedAttention
 from tritonllm.layers.attention_metadata import AttentionMetadata
 from tritonllm.layers.linear import Linear
@@ -43,11 +46,25 @@ class CpuOps(LayerOps):
         self.batch_hint = batch_hint
         self.exact_blocks = exact_blocks and gemm == "avx512"
         self.decoder_stack = None
+        self.aten_library = "blas"  # with gemm=aten: "blas" (F.linear) or "onednn" (choose_aten_library)
 
     def linear(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.packed is None:
-            return F.linear(x, layer.weight, layer.bias)
-        return layer.packed(x, layer.bias)
+        if layer.packed is not None:
+            return layer.packed(x, layer.bias)
+        if self.aten_library == "onednn" and x.dtype == torch.float32:
+            return onednn_linear(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
+
+    def choose_aten_library(self, weight: torch.Tensor, rows: int) -> str:
+        """With `cpu_gemm=aten` on float32: which of torch's two CPU GEMM libraries the linears call, timed
+        once on `weight` (a model's own, [out, in]) at `rows` rows. oneDNN only where it takes at most 90 %
+        of BLAS's time, so that a CPU where both run alike keeps `F.linear` run after run (their sums are
+        ordered differently: the last bits differ)."""
+        if self.gemm == "aten" and weight.dtype == torch.float32 and onednn_linear_supported():
+            x = torch.randn(rows, weight.shape[1])
+            if faster(lambda: onednn_linear(x, weight, None), lambda: F.linear(x, weight), 0.9):
+                self.aten_library = "onednn"
+        return self.aten_library
 
     def prepare_linear(self, layer: Linear, shared: torch.Tensor | None = None) -> None:
         """Pack the layer's weight for the GEMM kernel (`shared`: that weight already packed for it, e.g.
@@ -97,6 +114,8 @@ class CpuOps(LayerOps):
             # cpu_gemm=avx512 is our panel GEMM, built for AVX-512 and for AVX2: name the build that runs.
             kernel = f"panel GEMM ({kernels.variant()} kernels)" if self.gemm == "avx512" else self.gemm
             plan["linear"] = plan["lm_head"] = f"{kernel} packed{blocks}"
+        elif self.aten_library == "onednn":
+            plan["linear"] = plan["lm_head"] = "torch's oneDNN linear on the plain weight (timed faster than F.linear's BLAS here)"
         if self.kernels:
             plan.update(lora_delta="C++ (one call per linear)", add_rms_norm="C++", act_and_mul="C++ (SiLU; other activations torch)",
                         rotary_write_kv="C++", attention="C++ paged (soft-capped layers torch)")

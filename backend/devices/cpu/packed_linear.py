@@ -17,7 +17,8 @@ into its FMAs (docs/PERFORMANCE.md has what each kernel gives):
   (elsewhere `avx512`).
 - `onednn`: oneDNN's blocked layout, the one torch's own compiler uses when it freezes a CPU model's
   linears; float32 and bfloat16.
-- `aten`: torch's `F.linear` on the plain weight (nothing packed).
+- `aten`: torch on the plain weight (nothing packed): `F.linear`, or torch's oneDNN linear where that
+  is timed faster (CpuOps.choose_aten_library).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ def onednn_packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN packed linears exist for float32 and bfloat16 on a CPU build with mkldnn."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def onednn_linear_supported() -> bool:
+    """torch's oneDNN linear, which takes a plain [out, in] weight as it is (a CPU build with mkldnn)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` by oneDNN, on the plain weight or one packed by `_reorder_linear_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
 def resolve_cpu_gemm(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -105,7 +116,7 @@ class PackedWeight:
             return cpu_kernels.packed_gemm(x, self.data, bias, self.out_features)
         if self.kernel == "avx512_bf16":
             return cpu_kernels.packed_gemm_bf16(x, self.data, bias, self.out_features, self.in_features)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.data, bias, "none", [], "")
+        return onednn_linear(x, self.data, bias)
 
 
 def tune_blocks_max_rows(weights: list[PackedWeight], max_rows: int, step_rows: int | None = None) -> int:
