@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU (or an Ascend NPU): the device backend against transformers on the
 # device, a served stream and a cancelled one on the device's config variant, then the burst and
-# decode-heavy benchmarks beside vLLM's GPU build where it installs, and async scheduling against the
-# synchronous loop. What it shows goes to
+# decode-heavy benchmarks beside vLLM's GPU build where it installs, async scheduling against the
+# synchronous loop, response coalescing, and FP8 weights and KV cache (accuracy and time). What it shows goes to
 # results/device-check/; record it in docs/DEVICES.md.
 #   bash scripts/device_check.sh            # tests and benchmarks
 #   bash scripts/device_check.sh --tests    # tests only
@@ -34,7 +34,7 @@ else
 fi
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
 python -m tritonllm.models.model_files >/dev/null
-python -m pytest -v -rs tests/test_devices.py tests/test_attention_layouts.py 2>&1 | tee "$out/tests.log"
+python -m pytest -v -rs tests/test_devices.py tests/test_attention_layouts.py tests/test_fp8.py 2>&1 | tee "$out/tests.log"
 [ "${1:-}" = "--tests" ] && exit 0
 
 vllm_args=()
@@ -62,3 +62,8 @@ python bench/offline_engine.py --device "$device" --dtype bfloat16 --variant asy
 # them (response_coalescing) against one response per token each.
 python bench/compare.py --scenario loadtest/scenarios/burst.yaml --systems ours --concurrency none --decode-steps 0 \
   --ours-config "$device" --ours-param response_coalescing=true --out "$out/burst_coalescing" 2>&1 | tee "$out/burst_coalescing.log"
+# FP8 weights (torch._scaled_mm) and an FP8 KV cache: what they cost in accuracy against bfloat16, and in time.
+python bench/quantization_accuracy.py --device "$device" --dtype bfloat16 --variant quantization=fp8 \
+  --variant kv_cache_dtype=fp8 --variant quantization=fp8,kv_cache_dtype=fp8 2>&1 | tee "$out/quantization_accuracy.log"
+python bench/offline_engine.py --device "$device" --dtype bfloat16 --variant quantization=fp8 --no-transformers \
+  loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine_fp8.log"

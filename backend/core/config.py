@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "longest_output_first")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = DTYPES + ("fp8", "fp8_e4m3")  # fp8: e4m3, scale 1 (layers/fp8.py)
+QUANTIZATIONS = ("none", "fp8")
 CPU_GEMMS = ("avx512", "avx512_bf16", "onednn", "aten")
 GREEDY_SCREENS = ("auto", "int8", "bfloat16", "true", "false")
 DEVICE_KINDS = ("auto", "cpu", "cuda", "npu")
@@ -64,10 +66,14 @@ class ModelConfig:
     path: str = parameter("default", "model")  # a Hugging Face folder, a .gguf file, or the packaged default
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on accelerators
     max_model_len: int = 2048  # prompt + output tokens of one sequence
+    # fp8: the decoder's linear weights in FP8 e4m3 with per-row scales, inputs quantized per token
+    # (layers/fp8.py); lossy. none: the weights in `dtype`.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         _positive(self, "max_model_len")
         _one_of(self.dtype, DTYPES, "dtype")
+        _one_of(self.quantization, QUANTIZATIONS, "quantization")
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,7 @@ class CacheConfig:
     num_blocks: int = parameter(0, "num_kv_blocks")  # 0: size the pool from memory
     memory_fraction: float = parameter(0.5, "kv_cache_memory_fraction")  # of the device's free memory
     max_bytes: int = parameter(2 << 30, "kv_cache_max_bytes")  # CPU: a cap, so one model cannot take all RAM
-    dtype: str = parameter("auto", "kv_cache_dtype")  # auto: the model's dtype
+    dtype: str = parameter("auto", "kv_cache_dtype")  # auto: the model's dtype; fp8 (lossy): e4m3
     enable_prefix_caching: bool = True
     # Models that mix sliding and full layers: the sliding layers' K/V in a pool of their own that
     # frees what falls behind the window (scheduling/window_pool.py).
@@ -139,7 +145,7 @@ class CacheConfig:
             raise ConfigError(f"kv_window_ratio must be in [0, 1), got {self.kv_window_ratio}")
         if self.kv_window and self.kv_window < 2 * self.block_size:
             raise ConfigError(f"kv_window must be at least 2 * block_size ({2 * self.block_size})")
-        _one_of(self.dtype, DTYPES, "kv_cache_dtype")
+        _one_of(self.dtype, KV_CACHE_DTYPES, "kv_cache_dtype")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def select_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     the torch reference on any other device. Each imports its libraries only when chosen."""
     runtime = Runtime(device, dtype, resolve_kv_cache_dtype(config.cache.dtype, dtype), config.cache.block_size,
                       config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens, max_model_len,
-                      config.parallel.tensor_parallel_size, rank)
+                      config.parallel.tensor_parallel_size, rank, config.model.quantization)
     if device.type == "cpu":
         from tritonllm.devices.cpu.backend import CpuBackend
 

@@ -32,6 +32,7 @@ class Runtime:
     max_model_len: int
     tensor_parallel_size: int = 1
     rank: int = 0  # ranks >= 1 run the layers only: no LM head, no token choice
+    quantization: str = "none"  # the decoder linears' weights: none | fp8 (layers/fp8.py)
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,19 @@ class DeviceBackend:
         self.runtime = runtime
         self.ops: LayerOps = LayerOps()  # what the model is built with (models/loader.py load_model)
         self.head: GreedyHead = GreedyHead()
+        self.quantized = ""  # how quantized linears compute (the plan's words), once `quantize` ran
 
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(kv_layout=self.ops.kv_layout)
+
+    def quantize(self, model: nn.Module) -> None:
+        """Once after load, before `prepare`: the decoder linears' weights into the form `quantization`
+        names (layers/fp8.py); `prepare` leaves such a layer as it is, and `ops.linear` runs its form."""
+        if self.runtime.quantization == "fp8":
+            from tritonllm.layers.fp8 import quantize_linears
+
+            self.quantized = quantize_linears(model)
 
     def prepare(self, model: nn.Module) -> None:
         """Once after load: each weight into the layout its op reads (and whatever else the ops and the
@@ -100,6 +110,8 @@ class DeviceBackend:
     def plan(self) -> dict[str, str]:
         """Which implementation each op takes, and why where it fell back (layers/ops.py OPS)."""
         plan = self.ops.plan()
+        if self.quantized:
+            plan["linear"] = self.quantized
         if self.runtime.rank == 0:
             plan["greedy_head"] = self.head.describe()
         else:

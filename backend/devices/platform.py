@@ -51,7 +51,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """`auto`: the model's own dtype (K/V stored exactly as computed)."""
+    """`auto`: the model's own dtype (K/V stored exactly as computed); `fp8`: e4m3 (layers/fp8.py)."""
+    if name in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
     return model_dtype if name == "auto" else resolve_dtype(name, torch.device("cpu"))
 
 

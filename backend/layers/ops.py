@@ -54,6 +54,8 @@ class LayerOps:
     dense_routing = False
 
     def linear(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        if layer.packed is not None:  # a quantized weight (layers/fp8.py) computes its own product
+            return layer.packed(x, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def lora_delta(self, layer: "Linear", x: torch.Tensor, y: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
@@ -61,7 +63,8 @@ class LayerOps:
         return add_lora_delta(y, x, layer.lora, batch)
 
     def prepare_linear(self, layer: "Linear") -> None:
-        """Once after load: the layer's weight into this implementation's own layout (nothing here)."""
+        """Once after load: the layer's weight into this implementation's own layout (nothing here; a
+        device's layout is for a plain weight, and leaves a layer that holds a quantized one as it is)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm in float32 whatever the activation dtype, as the reference models compute it."""

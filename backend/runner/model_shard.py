@@ -30,6 +30,7 @@ class ModelShard:
         started = time.perf_counter()
         self.backend = select_backend(config, device, dtype, max_model_len, tp.rank)
         self.model = load_model(folder, dtype, device, max_model_len, tp, self.backend.ops)
+        self.backend.quantize(self.model)
         self.backend.prepare(self.model)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.window_pool_layers: list[bool] | None = None

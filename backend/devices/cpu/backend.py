@@ -23,7 +23,8 @@ from tritonllm.devices.cpu.decoder_stack import DecoderStack
 from tritonllm.devices.cpu.greedy_screen import GreedyScreen
 from tritonllm.devices.cpu.head import CpuGreedyHead, build_screens
 from tritonllm.devices.cpu.ops import CpuOps
-from tritonllm.devices.cpu.packed_linear import drop_unread_panels, resolve_cpu_gemm, tune_blocks_max_rows
+from tritonllm.devices.cpu.packed_linear import PackedWeight, drop_unread_panels, resolve_cpu_gemm, tune_blocks_max_rows
+from tritonllm.layers.fp8 import is_fp8
 from tritonllm.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ class CpuBackend(DeviceBackend):
         if gemm != options.gemm:
             logger.warning("cpu_gemm=%s cannot run for %s on this CPU and build: using %s", options.gemm,
                            str(runtime.dtype).removeprefix("torch."), gemm)
-        self.ops = CpuOps(use_kernels, gemm, runtime.max_num_seqs, options.exact_blocks)
+        self.ops = CpuOps(use_kernels, gemm, runtime.max_num_seqs, options.exact_blocks,
+                          kv_kernels=not is_fp8(runtime.kv_dtype))
         self.head = CpuGreedyHead(fused=use_kernels)
         # The most rows a step's GEMMs take: decodes and prompt chunks together.
         self.step_rows = max(runtime.max_num_batched_tokens, runtime.max_num_seqs)
@@ -48,7 +50,9 @@ class CpuBackend(DeviceBackend):
     @property
     def capabilities(self) -> Capabilities:
         # Our kernels compute every row alike whatever the batch; oneDNN and MKL may not.
-        return Capabilities(kv_layout=self.ops.kv_layout, exact_rows=self.ops.kernels and self.ops.gemm == "avx512")
+        # (FP8 linears: oneDNN's scaled GEMM under torch._scaled_mm, which need not.)
+        return Capabilities(kv_layout=self.ops.kv_layout,
+                            exact_rows=self.ops.kernels and self.ops.gemm == "avx512" and not self.quantized)
 
     def prepare(self, model: nn.Module) -> None:
         ops = self.ops
@@ -64,8 +68,8 @@ class CpuBackend(DeviceBackend):
             ops.prepare_linear(layer)
         if ops.gemm != "aten":
             self._tune_blocks(model, layers, screens)
-        elif layers:
-            widest = max(layers, key=lambda layer: layer.weight.numel()).weight
+        elif any(layer.weight is not None for layer in layers):
+            widest = max((layer.weight for layer in layers if layer.weight is not None), key=torch.Tensor.numel)
             if ops.choose_aten_library(widest, self.runtime.max_num_seqs) == "onednn":
                 logger.info("cpu_gemm=aten: torch's oneDNN linear, timed faster than F.linear's BLAS on this CPU")
         # greedy_screen=auto on the float32 head: the screen timed fastest against it, where one pays. Untimed
@@ -75,7 +79,7 @@ class CpuBackend(DeviceBackend):
         shares = [s for s in screens if isinstance(s, GreedyScreen) and ops.gemm == "avx512_bf16"]
         self.head.choose_screen(shares or screens, model.lm_head.packed, self.runtime.max_num_seqs, timed)
         if ops.kernels:
-            self.stack_refusal = DecoderStack.refusal(model)
+            self.stack_refusal = DecoderStack.refusal(model) if ops.kv_kernels else "an FP8 KV pool"
             ops.decoder_stack = None if self.stack_refusal else DecoderStack(model)
 
     def _tune_blocks(self, model: nn.Module, layers: list[Linear], screens: list) -> None:
@@ -83,7 +87,7 @@ class CpuBackend(DeviceBackend):
         screen's), time up to how many rows the exact blocks pay, and free the float32 panels where the
         blocks take every step size."""
         ops = self.ops
-        packed = [layer.packed for layer in layers]
+        packed = [layer.packed for layer in layers if isinstance(layer.packed, PackedWeight)]  # not FP8 ones
         if ops.exact_blocks:
             logger.info("exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
                         tune_blocks_max_rows(packed, self.runtime.max_num_seqs, self.step_rows))

@@ -75,6 +75,8 @@ class DecoderStack:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if lin.packed is not None and lin.packed.kernel == "fp8":
+                    return "FP8 weights (quantization=fp8)"
                 if lin.packed is None or lin.packed.kernel != "avx512":
                     return "linears not packed for cpu_gemm=avx512"
         first = layers[0]

@@ -40,8 +40,10 @@ class CpuOps(LayerOps):
 
     name = "cpu"
 
-    def __init__(self, kernels_on: bool, gemm: str, batch_hint: int, exact_blocks: bool):
+    def __init__(self, kernels_on: bool, gemm: str, batch_hint: int, exact_blocks: bool, kv_kernels: bool = True):
         self.kernels = kernels_on
+        # The KV kernels (rotary + write, attention) read float32, float16 and bfloat16 pools, not FP8 ones.
+        self.kv_kernels = kernels_on and kv_kernels
         self.gemm = gemm
         self.batch_hint = batch_hint
         self.exact_blocks = exact_blocks and gemm == "avx512"
@@ -70,7 +72,7 @@ class CpuOps(LayerOps):
         """Pack the layer's weight for the GEMM kernel (`shared`: that weight already packed for it, e.g.
         the bfloat16 screen's copy of the LM head). The plain weight is dropped, unless another module
         owns it (a tied LM head: the embedding table)."""
-        if self.gemm == "aten":
+        if self.gemm == "aten" or layer.packed is not None:  # nothing to pack, or quantized (layers/fp8.py)
             return
         layer.packed = PackedWeight(layer.weight, self.gemm, self.batch_hint, packed=shared,
                                     exact_blocks=self.exact_blocks)
@@ -97,13 +99,13 @@ class CpuOps(LayerOps):
 
     def rotary_write_kv(self, layer: PagedAttention, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                         kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
-        if not self.kernels:
+        if not self.kv_kernels:
             return super().rotary_write_kv(layer, qkv, rope, kv_cache, slot_mapping)
         return kernels.rope_write_kv(qkv, *rope, *kv_cache, slot_mapping, layer.num_heads, layer.num_kv_heads)
 
     def attention(self, layer: PagedAttention, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                   meta: AttentionMetadata) -> torch.Tensor:
-        if not self.kernels or layer.softcap is not None:
+        if not self.kv_kernels or layer.softcap is not None:
             return super().attention(layer, q, kv_cache, meta)
         return kernel_attention(q, *kv_cache, meta.seqs, layer.scale, layer.window)
 
@@ -119,6 +121,8 @@ class CpuOps(LayerOps):
         if self.kernels:
             plan.update(lora_delta="C++ (one call per linear)", add_rms_norm="C++", act_and_mul="C++ (SiLU; other activations torch)",
                         rotary_write_kv="C++", attention="C++ paged (soft-capped layers torch)")
+            if not self.kv_kernels:
+                plan["rotary_write_kv"] = plan["attention"] = "torch (an FP8 KV pool: the C++ kernels read 16 and 32-bit ones)"
         else:
             why = "C++ kernels off (cpu_kernels=false, not float32, or not built)"
             for op in ("lora_delta", "add_rms_norm", "act_and_mul", "rotary_write_kv", "attention"):
