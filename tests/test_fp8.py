@@ -157,3 +157,23 @@ def test_fp8_engine_stays_within_its_accuracy_bound(params, mean_bound, agree_bo
     else:  # a byte a value: four times the float32 pool's blocks in the same bytes
         assert "an FP8 KV pool" in plan
         assert engine.runner.kv_plan.num_blocks >= 3.9 * base_blocks
+
+
+@pytest.mark.engine
+def test_fp8_rounds_a_mixture_of_experts_but_not_its_routers(tokenizer, tmp_path):
+    import transformers
+
+    from tiny_models import tiny_config_args, write_tiny_model
+    from tritonllm.layers.linear import Linear
+
+    config = transformers.Qwen2MoeConfig(**tiny_config_args(tokenizer), num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, shared_expert_intermediate_size=64)
+    write_tiny_model(config, tokenizer, tmp_path)
+    engine = _engine(model=str(tmp_path), quantization="fp8", max_model_len=256, max_num_seqs=4)
+    linears = {name: m for name, m in engine.runner.model.layers.named_modules() if isinstance(m, Linear)}
+    routers = [name for name in linears if name.endswith(("mlp.gate", "shared_expert_gate"))]
+    # (the CPU's own packing of a router's plain weight is another matter: not FP8)
+    assert routers and all(getattr(linears[name].packed, "kernel", "plain") != "fp8" for name in routers)
+    assert all(m.packed.kernel == "fp8" for name, m in linears.items() if name not in routers)
+    out = engine.generate(["The capital of France is"], {"max_tokens": 8, "min_tokens": 8, "ignore_eos": True})[0]
+    assert len(out.token_ids) == 8

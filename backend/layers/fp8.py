@@ -94,13 +94,13 @@ class Fp8Weight:
 
 
 def quantize_linears(model: nn.Module) -> str:
-    """Every linear of the decoder layers (`model.layers`) to FP8 (`Linear.packed` = an Fp8Weight, its
+    """Every linear of the decoder layers (`model.layers`; a mixture of experts' routers excepted) to FP8 (`Linear.packed` = an Fp8Weight, its
     plain weight dropped). Returns how they compute, for the load plan."""
     from tritonllm.layers.linear import Linear
 
     fused = []
     for layer in model.layers.modules():
-        if isinstance(layer, Linear) and not layer.tied and layer.weight is not None:
+        if isinstance(layer, Linear) and layer.quantizable and not layer.tied and layer.weight is not None:
             layer.packed = Fp8Weight(layer.weight)
             layer.weight = None
             fused.append(layer.packed.fused)

@@ -35,6 +35,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed = None  # the weight in the device ops' own layout, where they keep one
         self.lora = None  # per adapter slot: its LoraWeights or None (None here: no adapters served)
+        self.quantizable = True  # whether `quantization` may round this weight (layers/fp8.py); routers keep theirs
 
     def __getattr__(self, name: str):
         if name == "weight" and "_tied_to" in self.__dict__:

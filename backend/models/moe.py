@@ -41,6 +41,10 @@ class SparseMoeMLP(nn.Module):
         shared = spec.shared_expert_size
         self.shared_expert = GatedMLP(cfg, tp, ops, shared, reduce=False) if shared else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, ops) if shared else None
+        # Routing picks among near-equal scores: FP8 weights would move tokens between experts.
+        for router in (self.gate, self.shared_expert_gate):
+            if router is not None:
+                router.quantizable = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top_k experts ([tokens, top_k]) and their weights, from float32 probabilities."""
