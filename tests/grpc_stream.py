@@ -99,7 +99,7 @@ class StreamClient:
         if error is not None:
             # Errors carry the request id in the message-less InferenceServerException; the
             # stream callback gives us the result of the failed request when it can.
-            rid = getattr(error, "request_id", None) or self._only_pending()
+            rid = getattr(error, "request_id", None) or self._only_pending(error)
             c = self.results[rid]
             c.error, c.final = str(error), True
             return
@@ -134,9 +134,9 @@ class StreamClient:
         if response.parameters["triton_final_response"].bool_param:
             c.final = True
 
-    def _only_pending(self) -> str:
+    def _only_pending(self, error) -> str:
         pending = [r for r, c in self.results.items() if not c.final]
-        assert len(pending) == 1, f"cannot attribute an error among {pending}"
+        assert len(pending) == 1, f"cannot attribute an error among {pending}: {error}"
         return pending[0]
 
     def close(self, cancel: bool = False) -> None:

@@ -82,7 +82,7 @@ def _response_parameters_supported() -> bool:
 class _Active:
     """A request the response thread is serving."""
 
-    __slots__ = ("request_id", "sender", "assembler", "lane", "cancelled", "lock", "send_queued")
+    __slots__ = ("request_id", "sender", "assembler", "lane", "cancelled", "lock", "send_queued", "closed")
 
     def __init__(self, request_id: str, sender, assembler: ResponseAssembler, lane: int):
         self.request_id = request_id
@@ -94,6 +94,11 @@ class _Active:
         # takes every output that arrives meanwhile; the lock orders the lane's build and the new outputs.
         self.lock = threading.Lock()
         self.send_queued = False
+        # Its FINAL response is built (and may be sent): its sender must not be asked is_cancelled() any
+        # more. tritonserver frees a response factory with its FINAL response, and the Python backend's
+        # is_cancelled() on a freed one crashes the server (Signal 11 in ResponseFactoryIsCancelled).
+        # Set and read under `lock`, which a lane's build of the FINAL response also takes.
+        self.closed = False
 
 
 class TritonPythonModel:
@@ -275,7 +280,7 @@ class TritonPythonModel:
                     return None
             tensors = [pb_utils.Tensor(name, array) for name, array in assembler.take_outputs().items()]
             parameters = assembler.response_parameters()
-            finished = assembler.finished
+            finished = active.closed = assembler.finished
         if parameters and _response_parameters_supported():
             response = pb_utils.InferenceResponse(output_tensors=tensors, parameters=parameters)
         else:
@@ -297,12 +302,13 @@ class TritonPythonModel:
         FINAL response with a CANCELLED error; a whole-text request gets what it had generated (the
         engine's abort finishes its completions with finish_reason `abort`)."""
         for request_id, active in list(self._active.items()):
-            if active.cancelled:
-                continue
-            try:
-                cancelled = active.sender.is_cancelled()
-            except Exception:  # noqa: BLE001 - a sender that cannot answer is treated as gone
-                cancelled = True
+            with active.lock:  # a lane building its FINAL response meanwhile waits for the answer
+                if active.cancelled or active.closed:
+                    continue
+                try:
+                    cancelled = active.sender.is_cancelled()
+                except Exception:  # noqa: BLE001 - a sender that cannot answer is treated as gone
+                    cancelled = True
             if not cancelled:
                 continue
             # The vLLM backend's log lines, which its CI (request_cancellation_test.py) looks for in the
