@@ -11,6 +11,8 @@ unsaid) is in docs/DEVICES.md, "What the contract tests prove".
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -248,3 +250,10 @@ def test_an_explicit_torch_npu_outside_its_documentation_fails_the_load():
     with pytest.raises(ValueError, match="npu_attention=torch_npu: .*block_size"):
         NpuBackend(NpuOptions(attention="torch_npu"), _runtime(block_size=16))
     assert NpuBackend(NpuOptions(attention="torch_npu"), _runtime()).ops.fused
+
+
+@pytest.mark.parametrize("runtime", [_runtime(kv_dtype=torch.float8_e4m3fn),
+                                     dataclasses.replace(_runtime(), quantization="fp8")])
+def test_fp8_is_refused_on_the_npu_by_name(runtime):
+    with pytest.raises(ValueError, match="fp8 are not supported on Ascend NPUs"):
+        NpuBackend(NpuOptions(attention="auto"), runtime)

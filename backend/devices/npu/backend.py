@@ -13,6 +13,7 @@ from tritonllm.core.config import NpuOptions
 from tritonllm.devices.backend import Capabilities, DeviceBackend, Runtime
 from tritonllm.devices.npu.ops import NpuOps, fused_attention_unsupported
 from tritonllm.layers.attention import PagedAttention
+from tritonllm.layers.fp8 import is_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,11 @@ class NpuBackend(DeviceBackend):
 
     def __init__(self, options: NpuOptions, runtime: Runtime):
         super().__init__(options, runtime)
+        # FP8 needs float8 tensors on the device, which torch_npu's documentation does not list for these
+        # ops: refused by name rather than failing somewhere in the first step.
+        if runtime.quantization == "fp8" or is_fp8(runtime.kv_dtype):
+            raise ValueError("quantization=fp8 and kv_cache_dtype=fp8 are not supported on Ascend NPUs; "
+                             "use dtype bfloat16 or float16")
         fused, why = choose_attention(options.attention, runtime)
         self.ops = NpuOps(fused, runtime.device, why)
 
