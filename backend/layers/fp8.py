@@ -63,9 +63,9 @@ class Fp8Weight:
         self.wide = None if self.fused else self.dequantized(weight.dtype)
 
     def _scaled_mm_runs(self, dtype: torch.dtype) -> bool:
-        try:
-            x = torch.zeros(16, self.in_features, dtype=dtype, device=self.q.device)
-            self._fused(x, None)
+        try:  # a decode's single row and a larger step
+            for rows in (1, 16):
+                self._fused(torch.zeros(rows, self.in_features, dtype=dtype, device=self.q.device), None)
             return True
         except (RuntimeError, NotImplementedError, TypeError):
             return False
