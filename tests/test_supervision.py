@@ -34,8 +34,11 @@ BACK_S = 300.0  # generous: a reload is a model load, and this machine is shared
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("supervised")
+    # Back-offs capped at 1 s: the doubling itself is not what these tests are about, and the failing-load test's
+    # restarts 3 and 4 would otherwise wait 2 s and 4 s. With the cap, a restart tried past the limit would come
+    # within about a second, well inside that test's wait for "nothing more is tried".
     server = Supervised(make_repository(root / "repo", **FAST), root / "serve.log",
-                        "--max-restarts", "4", "--restart-backoff", "0.5")
+                        "--max-restarts", "4", "--restart-backoff", "0.5", "--restart-backoff-max", "1")
     server.start()
     try:
         yield server

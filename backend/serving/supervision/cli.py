@@ -18,7 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="automatic restarts of a model within --restart-window before it is marked failed")
     group.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS")
     group.add_argument("--restart-backoff", type=float, default=RestartPolicy.backoff_initial_s, metavar="SECONDS",
-                       help="wait before a model's first restart; doubles with each restart in the window, up to 60 s")
+                       help="wait before a model's first restart; doubles with each restart in the window, up to "
+                            "--restart-backoff-max")
+    group.add_argument("--restart-backoff-max", type=float, default=RestartPolicy.backoff_max_s, metavar="SECONDS",
+                       help="the longest wait before a restart, however many came before it in the window")
 
 
 def split_server_args(extra: list[str]) -> tuple[list[str], list[str] | None, float, str | None]:
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     metrics_port = None if any(a.replace(" ", "") in ("--allow-metrics=false", "--allow-metrics=0") for a in server_args) \
         else args.metrics_port
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
-                           backoff_initial_s=args.restart_backoff)
+                           backoff_initial_s=args.restart_backoff, backoff_max_s=args.restart_backoff_max)
     supervisor = Supervisor(Path(args.model_repository), args.host, args.http_port, args.grpc_port, metrics_port,
                             server_args, models, policy, exit_timeout, args.log_verbose)
     return asyncio.run(supervisor.run())
