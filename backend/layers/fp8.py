@@ -5,10 +5,11 @@ float32 scale per output row (its largest magnitude maps to e4m3's largest finit
 product quantizes its input the same way per row (per token) on the fly and multiplies the two FP8
 matrices with `torch._scaled_mm`, sums in float32, both scales applied to the result: the form FP8
 tensor cores (H100/H200, sm89+) compute. Elsewhere (a CPU, whose `_scaled_mm` is a slow reference;
-an older GPU; an NPU) the layer keeps the FP8 values widened to the model's dtype and multiplies the
-widened input by them: the same numbers up to the order of the sums, at the model dtype's speed and
-memory. That form is for checking accuracy where no FP8 hardware is at hand, not for speed. The LM head and the embeddings keep the
-model's dtype, as the field's FP8 checkpoints do: the head's rounding would move every log-prob.
+an older GPU) the layer keeps the FP8 values widened to the model's dtype and multiplies the widened
+input by them: the same numbers up to the order of the sums, at the model dtype's speed and memory.
+That form is for checking accuracy where no FP8 hardware is at hand, not for speed. The LM head and
+the embeddings keep the model's dtype, as the field's FP8 checkpoints do: the head's rounding would
+move every log-prob; so do a mixture of experts' routers (models/moe.py).
 
 KV cache: K and V are stored as e4m3 with a scale of 1 (no calibration): values are clamped to
 +-448 and rounded; attention widens them back. e4m3 keeps 3 mantissa bits, so each stored value

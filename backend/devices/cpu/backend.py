@@ -50,7 +50,7 @@ class CpuBackend(DeviceBackend):
     @property
     def capabilities(self) -> Capabilities:
         # Our kernels compute every row alike whatever the batch; oneDNN and MKL may not.
-        # (FP8 linears: oneDNN's scaled GEMM under torch._scaled_mm, which need not.)
+        # FP8 linears (layers/fp8.py) multiply their widened values through torch's GEMM: not our kernels.
         return Capabilities(kv_layout=self.ops.kv_layout,
                             exact_rows=self.ops.kernels and self.ops.gemm == "avx512" and not self.quantized)
 
