@@ -123,7 +123,7 @@ def _session_triton_server(model_dir, tmp_path_factory):
                           extra_args=["--model-control-mode=explicit", "--load-model=smollm2"])
     server.start()
     yield server
-    server.stop()
+    server.stop_later()
 
 
 # Why the session's server stopped serving, and after which test (pytest_runtest_makereport).
@@ -157,6 +157,15 @@ def pytest_runtest_makereport(item, call):
     if why is not None:
         _stopped_serving.update(after=item.nodeid, why=why)
         report.sections.append(("the session's tritonserver stopped serving", why))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Wait for the servers that fixtures stopped without waiting (TritonServer.stop_later)."""
+    import sys
+
+    harness = sys.modules.get("tritonserver_harness")
+    if harness is not None:
+        harness.wait_for_stopped()
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -202,7 +211,7 @@ def minilm_server(tmp_path_factory):
                           extra_args=["--model-control-mode=explicit", "--load-model=minilm"])
     server.start()
     yield server
-    server.stop()
+    server.stop_later()
 
 
 def write_variant_repo(dest: Path, *, instance_count: int | None = None, **params) -> Path:
@@ -249,7 +258,7 @@ def variant_server(tmp_path_factory):
         server = current.pop("server", None)
         current.pop("key", None)
         if server is not None:
-            server.stop()
+            server.stop_later()
 
     def start(name: str, instance_count: int | None = None, **params) -> TritonServer:
         key = (name, instance_count, tuple(sorted(params.items())))

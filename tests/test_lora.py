@@ -282,7 +282,7 @@ def lora_server(adapters, tmp_path_factory):
                           extra_args=["--model-control-mode=explicit", "--load-model=smollm2"])
     server.start()
     yield server, model
-    server.stop()
+    server.stop_later()
 
 
 @pytest.mark.server

@@ -131,7 +131,7 @@ def legacy_server(tmp_path_factory):
                           extra_args=["--model-control-mode=explicit", "--load-model=smollm2", "--load-model=minilm"])
     server.start()
     yield server
-    server.stop()
+    server.stop_later()
 
 
 @pytest.mark.server

@@ -1,5 +1,6 @@
 """tritonserver_harness.py's `TritonServer.stop`: a clean exit is waited for, a crash while shutting down
-(whose signal handler can hang) is ended at once instead of at the deadline."""
+(whose signal handler can hang) is ended at once instead of at the deadline; `stop_later` signals once
+and returns, and `wait_for_stopped` waits for those servers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+import tritonserver_harness
 from tritonserver_harness import TritonServer
 
 pytestmark = pytest.mark.unit
@@ -72,3 +74,30 @@ def test_a_server_that_crashed_before_the_stop_is_killed_at_once(tmp_path):
     started = time.monotonic()
     assert server.stop(timeout=60) == -9
     assert time.monotonic() - started < 15
+
+
+def test_stop_later_signals_once_returns_at_once_and_is_waited_for(tmp_path, monkeypatch):
+    monkeypatch.setattr(tritonserver_harness, "_stopping", [])
+    server = _fake_server(tmp_path, ["Signal (15) received.", "unloading models"] * 5, "0")
+    started = time.monotonic()
+    server.stop_later()
+    assert time.monotonic() - started < 0.5 and server.process.poll() is None
+    # A second SIGTERM would cut the fake's unload short (as it does tritonserver's): stop() must not send one.
+    assert server.stop(timeout=30) == 0
+    assert server.log_text().count("unloading models") == 5
+    tritonserver_harness.wait_for_stopped()
+    assert tritonserver_harness._stopping == []
+
+
+def test_at_most_a_few_servers_are_left_stopping(tmp_path, monkeypatch):
+    monkeypatch.setattr(tritonserver_harness, "_stopping", [])
+    servers = []
+    for i in range(tritonserver_harness._MAX_STOPPING + 1):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        servers.append(_fake_server(folder, ["Signal (15) received."], "0"))
+        servers[-1].stop_later()
+    assert servers[0].process.poll() == 0  # waited for, to make room
+    assert len(tritonserver_harness._stopping) == tritonserver_harness._MAX_STOPPING
+    tritonserver_harness.wait_for_stopped()
+    assert all(s.process.returncode == 0 for s in servers)

@@ -29,6 +29,17 @@ _CRASH = re.compile(r"^Signal \((?!15\))\d+\) received\.$", re.M)
 _CRASH_GRACE_S = 3.0
 
 
+# Servers told to stop by stop_later() and not yet awaited, oldest first.
+_stopping: list["TritonServer"] = []
+_MAX_STOPPING = 3
+
+
+def wait_for_stopped(timeout: float = 60) -> None:
+    """Wait for every server stop_later() stopped to exit (each killed after `timeout` s, as stop() does)."""
+    while _stopping:
+        _stopping.pop(0).stop(timeout)
+
+
 class TritonServer:
     """A tritonserver child process on loopback, for tests and benchmarks; use as a context manager."""
 
@@ -43,6 +54,7 @@ class TritonServer:
         self.log_verbose, self.extra_args = log_verbose, tuple(extra_args)
         self.env, self.startup_timeout = env, startup_timeout
         self.process: subprocess.Popen | None = None
+        self._signalled = False  # SIGTERM sent (stop, stop_later)
 
     @property
     def http_url(self) -> str:
@@ -123,12 +135,15 @@ class TritonServer:
     def stop(self, timeout: float = 60) -> int | None:
         """SIGTERM (the server unloads models, calling their finalize), wait, then SIGKILL.
 
-        Returns the exit code, or None if the server was never started.
+        Returns the exit code, or None if the server was never started. A server already told to
+        stop (stop_later) is not signalled again: a second signal would skip its unload.
         """
         if self.process is None:
             return None
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            if not self._signalled:
+                self.process.send_signal(signal.SIGTERM)
+                self._signalled = True
             deadline = time.monotonic() + timeout
             crashed_at = None
             while self.process.poll() is None and time.monotonic() < deadline:
@@ -145,6 +160,19 @@ class TritonServer:
                 self.process.kill()
                 self.process.wait(timeout=30)
         return self.process.returncode
+
+    def stop_later(self) -> None:
+        """SIGTERM now and return at once: the server unloads and exits while the caller goes on (a
+        stop takes seconds, most of them tritonserver's and its stub's own waits). wait_for_stopped()
+        ends every server stopped so; at most _MAX_STOPPING of them are left stopping at a time."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        if not self._signalled:
+            self.process.send_signal(signal.SIGTERM)
+            self._signalled = True
+        _stopping.append(self)
+        while len(_stopping) > _MAX_STOPPING:  # each holds its model and KV pool until it has exited
+            _stopping.pop(0).stop()
 
     def __enter__(self) -> "TritonServer":
         return self.start()
