@@ -29,3 +29,13 @@ def test_packages_keep_their_layers():
     if result.returncode != 0:
         pytest.fail(f"import-linter: the layers contract is broken\n{result.stdout}\n{result.stderr}", pytrace=False)
     assert "1 kept, 0 broken" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("module", ["tritonllm.serving.generate_model", "tritonllm.serving.embedding_model"])
+def test_the_model_glue_imports_no_torch_until_initialize(module):
+    """Triton starts a stub of its own only to call auto_complete_config, before the one that serves: importing
+    the glue for that must not import torch (a second of every model load); initialize() imports the engine."""
+    code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"{module} imports {result.stdout.strip()} at import time"

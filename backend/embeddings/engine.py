@@ -28,14 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tritonllm.core.errors import EngineDeadError, QueueFullError
 from tritonllm.core.sampling_params import InvalidRequestError
 from tritonllm.devices import platform as devices
 from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
 from tritonllm.embeddings.request import EmbeddingOutput, EmbeddingRequest, RequestRegistry, TextItem
 from tritonllm.embeddings.runner import EmbeddingRunner, PreparedBatch
 from tritonllm.embeddings.scheduler import EmbeddingScheduler
-from tritonllm.engine.engine import QueueFullError
-from tritonllm.engine.engine_loop import EngineDeadError
 from tritonllm.models.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -624,6 +624,3 @@ class Engine:
                     if out.finished:
                         pending.discard(out.request_id)
 
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at max_queue_size; the caller should retry later (UNAVAILABLE)."""

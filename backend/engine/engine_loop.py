@@ -19,15 +19,12 @@ from collections.abc import Callable
 
 from tritonllm.core.outputs import RequestOutput
 from tritonllm.core.sampling_params import InvalidRequestError
-from tritonllm.engine.engine import Engine, QueueFullError
+from tritonllm.core.errors import EngineDeadError, QueueFullError  # noqa: F401 - raised here, importable from here
+from tritonllm.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (after an internal error or shutdown)."""
 
 
 class EngineLoop:

@@ -33,7 +33,6 @@ except ImportError:  # outside tritonserver (docs, tests of the parsing): the mo
 from tritonllm.core.parameters import ConfigError
 from tritonllm.core.sampling_params import InvalidRequestError
 from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
-from tritonllm.embeddings.engine import EmbeddingEngine
 from tritonllm.embeddings.request import EmbeddingOutput
 from tritonllm.serving import orphan_guard
 from tritonllm.serving.instance_config import config_from_triton
@@ -112,6 +111,10 @@ class TritonPythonModel:
         except ConfigError as exc:
             raise pb_utils.TritonModelException(f"invalid config.pbtxt parameter: {exc}") from None
         self.model_name = args.get("model_name", "model")
+        # Imported here, not with this module: Triton's auto-complete stub imports the module for
+        # auto_complete_config alone, and the engine brings torch (a second of every load).
+        from tritonllm.embeddings.engine import EmbeddingEngine
+
         self.engine = EmbeddingEngine(config)
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, object] = {}  # request id -> response sender, for cancellation checks

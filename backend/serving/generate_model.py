@@ -26,11 +26,10 @@ except ImportError:  # outside tritonserver (docs, linters): the module only exi
     pb_utils = None
 
 from tritonllm.core.config import EngineConfig
+from tritonllm.core.errors import EngineDeadError, QueueFullError
 from tritonllm.core.outputs import RequestOutput
 from tritonllm.core.parameters import ConfigError
 from tritonllm.core.sampling_params import InvalidRequestError
-from tritonllm.engine.engine import Engine, QueueFullError
-from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
 from tritonllm.serving import engine_health, orphan_guard
 from tritonllm.serving.instance_config import config_from_triton
 from tritonllm.serving.metrics import EngineMetrics
@@ -131,6 +130,11 @@ class TritonPythonModel:
         started = time.perf_counter()
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # (request, engine output), or _STEP_DONE
         # Built and warmed on the loop thread that will run it (see EngineLoop on OpenMP pools).
+        # The engine (and torch with it) is imported here, not with this module: Triton's auto-complete
+        # stub imports the module for auto_complete_config alone, and torch's import is a second of it.
+        from tritonllm.engine.engine import Engine
+        from tritonllm.engine.engine_loop import EngineLoop
+
         self.loop = EngineLoop.build(lambda: Engine(config), on_step_done=lambda: self._outputs.put(_STEP_DONE))
         self.engine = self.loop.engine
         self.instance_name = instance_label(args, self.model_name)
