@@ -31,7 +31,10 @@ if compgen -G ".device/bundle.tar.part-*" >/dev/null; then
   if [ ! -e "$site/.tritonllm-device-bundle" ]; then
     rm -rf /tmp/bundle && mkdir -p /tmp/bundle
     cat .device/bundle.tar.part-* | tar -C /tmp/bundle -xf -
-    python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --break-system-packages /tmp/bundle/wheels/*.whl
+    pip_args=(--quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade)
+    # A system Python (not a venv) refuses installs without this, where pip knows it (23.0.1 and later).
+    python3 -m pip install --help | grep -q -- --break-system-packages && pip_args+=(--break-system-packages)
+    python3 -m pip install "${pip_args[@]}" /tmp/bundle/wheels/*.whl
     touch "$site/.tritonllm-device-bundle"
   fi
   # The packages as pyproject.toml maps them, without building them.
