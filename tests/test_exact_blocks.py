@@ -154,6 +154,15 @@ def test_weights_that_are_not_exactly_blocks_are_left_alone(kind, case):
     assert find_blocks(weight) is None
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_value_past_the_sample_rows_is_not_taken_for_blocks(kind, value):
+    """(bfloat16 keeps an infinity exactly, so its blocks may hold one: not a scaled-integer form.)"""
+    weight = MAKERS[kind](96, 128, seed=3)
+    weight[80, 40] = value
+    assert find_blocks(weight) is None
+
+
 @panel_gemm
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 10, 12, 13, 30, 64, 200])  # 200: decodes with a prompt chunk
