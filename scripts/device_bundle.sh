@@ -21,9 +21,9 @@ wheels=(
 )
 rm -rf .device && mkdir -p .device/wheels
 for wheel in "${wheels[@]}"; do
-  [[ "$wheel" == \#* ]] && continue
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
-    --platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .device/wheels "$wheel"
 done

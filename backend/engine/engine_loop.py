@@ -17,9 +17,9 @@ import threading
 import traceback
 from collections.abc import Callable
 
+from tritonllm.core.errors import EngineDeadError, QueueFullError  # noqa: F401 - raised here, importable from here
 from tritonllm.core.outputs import RequestOutput
 from tritonllm.core.sampling_params import InvalidRequestError
-from tritonllm.core.errors import EngineDeadError, QueueFullError  # noqa: F401 - raised here, importable from here
 from tritonllm.engine.engine import Engine
 
 logger = logging.getLogger(__name__)

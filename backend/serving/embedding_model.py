@@ -112,7 +112,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"invalid config.pbtxt parameter: {exc}") from None
         self.model_name = args.get("model_name", "model")
         # Imported here, not with this module: Triton's auto-complete stub imports the module for
-        # auto_complete_config alone, and the engine brings torch (a second of every load).
+        # auto_complete_config alone, and importing the engine's torch is most of that stub's start.
         from tritonllm.embeddings.engine import EmbeddingEngine
 
         self.engine = EmbeddingEngine(config)

@@ -131,7 +131,7 @@ class TritonPythonModel:
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # (request, engine output), or _STEP_DONE
         # Built and warmed on the loop thread that will run it (see EngineLoop on OpenMP pools).
         # The engine (and torch with it) is imported here, not with this module: Triton's auto-complete
-        # stub imports the module for auto_complete_config alone, and torch's import is a second of it.
+        # stub imports the module for auto_complete_config alone, and importing torch is most of that stub's start.
         from tritonllm.engine.engine import Engine
         from tritonllm.engine.engine_loop import EngineLoop
 
