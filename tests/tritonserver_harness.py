@@ -141,9 +141,7 @@ class TritonServer:
         if self.process is None:
             return None
         if self.process.poll() is None:
-            if not self._signalled:
-                self.process.send_signal(signal.SIGTERM)
-                self._signalled = True
+            self._terminate()
             deadline = time.monotonic() + timeout
             crashed_at = None
             while self.process.poll() is None and time.monotonic() < deadline:
@@ -161,15 +159,19 @@ class TritonServer:
                 self.process.wait(timeout=30)
         return self.process.returncode
 
+    def _terminate(self) -> None:
+        """SIGTERM once: a second signal would make tritonserver skip its unload."""
+        if not self._signalled:
+            self.process.send_signal(signal.SIGTERM)
+            self._signalled = True
+
     def stop_later(self) -> None:
         """SIGTERM now and return at once: the server unloads and exits while the caller goes on (a
         stop takes seconds, most of them tritonserver's and its stub's own waits). wait_for_stopped()
         ends every server stopped so; at most _MAX_STOPPING of them are left stopping at a time."""
         if self.process is None or self.process.poll() is not None:
             return
-        if not self._signalled:
-            self.process.send_signal(signal.SIGTERM)
-            self._signalled = True
+        self._terminate()
         _stopping.append(self)
         while len(_stopping) > _MAX_STOPPING:  # each holds its model and KV pool until it has exited
             _stopping.pop(0).stop()
