@@ -8,7 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${DEVICE_PYTHON:-3.12}"
-part_mib="${DEVICE_PART_MIB:-56}"
+# One call to the machine carries 64 MiB in all, the working tree (~3 MiB) included.
+part_mib="${DEVICE_PART_MIB:-61}"
 # Pinned to what runs here and, for FlashInfer, to the release last verified on an H100 and an H200.
 wheels=(
   nvidia-pytriton==0.7.0          # tritonserver, its Python backend and the stubs
@@ -19,6 +20,12 @@ wheels=(
   tritonclient==2.73.0 python-rapidjson==1.25
   gguf==0.19.0 llguidance==1.9.1
 )
+tree_bytes=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+if (( part_mib * 1048576 + tree_bytes > 64 * 1048576 )); then
+  echo "device_bundle: parts of $part_mib MiB and the working tree ($((tree_bytes >> 20)) MiB) exceed one call's 64 MiB;" \
+    "set DEVICE_PART_MIB lower" >&2
+  exit 1
+fi
 rm -rf .device && mkdir -p .device/wheels
 for wheel in "${wheels[@]}"; do
   python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
@@ -31,7 +38,8 @@ tar -C .device -cf - wheels | split -b "${part_mib}M" -d - .device/bundle.tar.pa
 rm -rf .device/wheels
 ls -l .device
 echo
-echo "Copy the parts to the GPU machine one call each (it keeps them while it stays warm), then run the check:"
+echo "Copy the parts to the GPU machine one call each (it keeps them while it stays warm: the next call"
+echo "must come within its idle time, 30 s on the lent machines), then run the check:"
 for part in .device/bundle.tar.part-*; do
   echo "  device run: command 'ls -l .device'  carry ['$part']"
 done

@@ -35,6 +35,11 @@ if compgen -G ".device/bundle.tar.part-*" >/dev/null; then
     # A system Python (not a venv) refuses installs without this, where pip knows it (23.0.1 and later).
     python3 -m pip install --help | grep -q -- --break-system-packages && pip_args+=(--break-system-packages)
     python3 -m pip install "${pip_args[@]}" /tmp/bundle/wheels/*.whl
+    # numpy 1.26 (for the stubs) replaced the image's numpy 2: packages built against numpy 2 that
+    # transformers imports wherever they are installed (scipy, scikit-learn) would fail its model imports.
+    uninstall_args=(-y --quiet)
+    [[ " ${pip_args[*]} " == *" --break-system-packages "* ]] && uninstall_args+=(--break-system-packages)
+    python3 -m pip uninstall "${uninstall_args[@]}" scipy scikit-learn scikit-image statsmodels 2>/dev/null || true
     touch "$site/.tritonllm-device-bundle"
   fi
   # The packages as pyproject.toml maps them, without building them.
@@ -90,11 +95,6 @@ python3 bench/quantization_accuracy.py --device "$device" --dtype bfloat16 --var
   --variant kv_cache_dtype=fp8 --variant quantization=fp8,kv_cache_dtype=fp8 2>&1 | tee "$out/quantization_accuracy.log"
 python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --variant quantization=fp8 --no-transformers \
   loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine_fp8.log"
-# The engine against transformers on the same device (and its reference attention).
-variant=cuda_attention=torch
-[ "$device" = npu ] && variant=npu_attention=torch
-python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --variant "$variant" \
-  loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine.log"
 # Served, beside vLLM's GPU build in a venv of its own where a registry is at hand.
 vllm_args=() systems=ours
 if [ "$device" = cuda ] && [ "$offline" = false ]; then
@@ -113,3 +113,8 @@ if [ "$systems" = ours,vllm ]; then
   python3 bench/compare.py --scenario loadtest/scenarios/burst.yaml --systems vllm --concurrency none --decode-steps 0 \
     "${vllm_args[@]}" --out "$out/burst_vllm" 2>&1 | tee "$out/burst_vllm.log"
 fi
+# Last, as the longest: the engine against transformers on the same device (and its reference attention).
+variant=cuda_attention=torch
+[ "$device" = npu ] && variant=npu_attention=torch
+python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --variant "$variant" \
+  loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine.log"

@@ -47,10 +47,16 @@ def test_the_scaled_product_matches_the_widened_operands(rows):
     xq, xs = quantize_rows(x)
     expected = F.linear(xq.float() * xs, w.q.float() * w.scale_t.t(), bias)
     torch.testing.assert_close(w(x, bias), expected, rtol=1e-5, atol=1e-5)
-    fused = w._fused(x, bias)  # the CUDA path's call, on torch's CPU implementation (bfloat16 result)
-    torch.testing.assert_close(fused, expected, rtol=2e-2, atol=2e-2)
     # and the weight it stands for, within FP8's rounding
     assert (w(x, None) - x @ weight.t()).abs().mean() < 0.1 * (x @ weight.t()).abs().mean()
+    try:
+        fused = w._fused(x, bias)  # the CUDA path's call, on torch's CPU implementation (bfloat16 result)
+    except RuntimeError as exc:
+        if "per-tensor scaling" not in str(exc):
+            raise
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes per-tensor scales only "
+                    "(test_the_fused_fp8_product_on_cuda checks the call on a GPU)")
+    torch.testing.assert_close(fused, expected, rtol=2e-2, atol=2e-2)
 
 
 def test_an_fp8_weight_takes_batched_and_empty_inputs():
