@@ -11,7 +11,9 @@ Greedy, exact lengths (`min_tokens` = `max_tokens`, EOS banned as transformers' 
 Each system runs once warm. Printed: seconds, output tokens/s, ratios, and how many outputs agree
 token for token with transformers' static batch; for each run of ours, where its steps' time went
 (per step: scheduling, building the inputs, launching the forward and head, waiting for the ids,
-applying them; on a GPU or NPU also the forward and head's own time on the device, from events).
+applying them; on a GPU or NPU also the forward and head's own time on the device, from events; with
+decode graphs, how many steps replayed one and the host's time around each replay). `--profile` runs
+ours under torch's profiler and prints its tables.
 
   python bench/offline_engine.py --device cuda --dtype bfloat16 --variant cuda_attention=torch \\
       loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml
@@ -23,6 +25,7 @@ applying them; on a GPU or NPU also the forward and head's own time on the devic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import time
 
@@ -30,6 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from prompt_tokens import prompt_token_ids
+from tritonllm.core import tracing
 from tritonllm.engine.engine import Engine, StepTimings
 from tritonllm.models.model_files import resolve_model_dir
 from tritonllm_client.workload import build_requests, load_scenario
@@ -46,8 +50,10 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def run_ours(model_dir: str, device: str, dtype: str, ids, maxes, params: dict) -> tuple[float, list, str, str]:
-    """(seconds, tokens per request, the backend's plan, where the steps' time went)."""
+def run_ours(model_dir: str, device: str, dtype: str, ids, maxes, params: dict,
+             profile: bool = False) -> tuple[float, list, str, str]:
+    """(seconds, tokens per request, the backend's plan, where the steps' time went). `profile`: under
+    torch's profiler, whose tables (the host's ops, then the device's kernels) are printed."""
     engine = Engine(model=model_dir, device=device, dtype=dtype, max_num_seqs=256, max_model_len=2048,
                     max_num_batched_tokens=4096, **params)
     backend = engine.runner.backend.describe() + ("; async scheduling" if engine.async_scheduling else "")
@@ -55,16 +61,51 @@ def run_ours(model_dir: str, device: str, dtype: str, ids, maxes, params: dict) 
     _sync(device)
     engine.runner.time_device = True
     engine.step_timings = StepTimings()
-    start = time.perf_counter()
-    outs = engine.generate(prompt_token_ids=ids,
-                           params=[{"max_tokens": m, "min_tokens": m, "ignore_eos": True} for m in maxes])
-    _sync(device)
-    seconds = time.perf_counter() - start
+    graphs = getattr(engine.runner.backend, "graphs", None)
+    if graphs is not None:
+        graphs.replays, graphs.load_seconds, graphs.replay_seconds = 0, 0.0, 0.0
+    profiler = _profiler(device) if profile else contextlib.nullcontext()
+    tracing.enable(profile)
+    with profiler:
+        start = time.perf_counter()
+        outs = engine.generate(prompt_token_ids=ids,
+                               params=[{"max_tokens": m, "min_tokens": m, "ignore_eos": True} for m in maxes])
+        _sync(device)
+        seconds = time.perf_counter() - start
     breakdown = step_breakdown(engine.step_timings, seconds, engine.device.type == "cpu")
+    if graphs is not None:
+        n = max(graphs.replays, 1)
+        breakdown += (f"\n      decode graphs replayed in {graphs.replays} of {engine.step_timings.steps} steps; per "
+                      f"replay on the host: load and plan {1000 * graphs.load_seconds / n:.2f} ms, "
+                      f"replay {1000 * graphs.replay_seconds / n:.2f} ms")
+    if profile:
+        tracing.enable(False)
+        _print_profile(profiler, device)
     engine.close()
     del engine
     _free(device)
     return seconds, [o.token_ids for o in outs], backend, breakdown
+
+
+def _profiler(device: str):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def _print_profile(profiler, device: str, rows: int = 25) -> None:
+    """The ops that took the host's time, then (on a GPU) the kernels that took the device's."""
+    averages = profiler.key_averages()
+    print("      profile, the engine's named ranges (tritonllm.*), host time per call and in all:")
+    for event in sorted((e for e in averages if e.key.startswith("tritonllm.")), key=lambda e: -e.cpu_time_total):
+        print(f"        {event.key:34s} {event.count:7d} calls {event.cpu_time_total / max(event.count, 1) / 1000:9.3f} ms "
+              f"{event.cpu_time_total / 1e6:8.3f} s")
+    print("      profile, by the host's own time (the profiler's overhead included):")
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
+    if device.startswith("cuda"):
+        print("      profile, by the device's own time:")
+        print(averages.table(sort_by="self_device_time_total", row_limit=rows), flush=True)
 
 
 def step_breakdown(t: StepTimings, seconds: float, host_device: bool) -> str:
@@ -126,6 +167,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[],
                     help="a second run of ours with this parameter changed, name=value (repeatable, all in one run)")
     ap.add_argument("--serial-every", type=int, default=16)
+    ap.add_argument("--profile", action="store_true",
+                    help="run ours (not its variants) under torch's profiler and print where the time went")
     ap.add_argument("--no-transformers", action="store_true",
                     help="ours only (with --variant: the two runs of ours against each other)")
     args = ap.parse_args()
@@ -140,7 +183,7 @@ def main() -> None:
         print(f"== {scenario.name} on {args.device} ({args.dtype}): {len(ids)} requests at once, "
               f"{sum(map(len, ids))} prompt tokens, {total} output tokens", flush=True)
         base = _params(args.param)
-        runs = {"ours": run_ours(model_dir, args.device, args.dtype, ids, maxes, base)}
+        runs = {"ours": run_ours(model_dir, args.device, args.dtype, ids, maxes, base, profile=args.profile)}
         if args.variant:
             runs["ours " + " ".join(args.variant)] = run_ours(model_dir, args.device, args.dtype, ids, maxes,
                                                             {**base, **_params(args.variant)})

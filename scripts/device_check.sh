@@ -84,6 +84,10 @@ fi
 # breakdown, async scheduling (on by default here) against the synchronous loop.
 python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --variant async_scheduling=false --no-transformers \
   loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine_async.log"
+# Where the step's host time goes: the engine's named ranges and torch's profiler tables (the profiler's
+# own overhead included), with how many steps replayed a decode graph.
+python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --no-transformers --profile \
+  loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine_profile.log"
 # The served burst with one response per token, then with each stream's responses built when its sender
 # thread reaches them (response_coalescing).
 python3 bench/compare.py --scenario loadtest/scenarios/burst.yaml --systems ours --concurrency none --decode-steps 0 \

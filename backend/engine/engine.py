@@ -31,6 +31,7 @@ from tritonllm.core.outputs import CompletionOutput, RequestOutput
 from tritonllm.core.parameters import ConfigError
 from tritonllm.core.sampling_params import InvalidRequestError, SamplingParams
 from tritonllm.core.sequence import FinishReason, Sequence
+from tritonllm.core.tracing import span
 from tritonllm.devices import platform
 from tritonllm.engine.detokenizer import IncrementalDetokenizer
 from tritonllm.guided.decoding import Guides, check_guided_decoding
@@ -363,7 +364,8 @@ class Engine:
             self._in_flight = None
             return self._land(landing)
         started = time.perf_counter()
-        out = self.scheduler.schedule(speculate=landing is None)
+        with span("schedule"):
+            out = self.scheduler.schedule(speculate=landing is None)
         scheduled = time.perf_counter()
         timings.schedule += scheduled - started
         if out.is_empty:
@@ -419,10 +421,15 @@ class Engine:
 
     def _land(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them."""
+        with span("wait"):
+            launched.tokens.wait()
+        with span("apply"):
+            return self._apply_step(launched)
+
+    def _apply_step(self, launched: _Launched) -> list[RequestOutput]:
+        started = time.perf_counter()
         timings = self.step_timings
         tokens = launched.tokens
-        tokens.wait()
-        started = time.perf_counter()
         token_ids, logprobs, tops = tokens.result()
         device_seconds = tokens.device_seconds()
         inputs = launched.inputs

@@ -21,6 +21,7 @@ import torch
 
 from tritonllm.devices import platform
 from tritonllm.core.config import EngineConfig
+from tritonllm.core.tracing import span
 from tritonllm.models.loader import load_hf_config
 from tritonllm.parallel.shard import TPShard, check_shardable, rank_device
 from tritonllm.runner.tp_workers import TensorParallelWorkers, WorkerSpec, threads_per_rank
@@ -140,11 +141,15 @@ class ModelRunner:
         if self.lora is not None:
             names = {item.seq.params.lora_name for item in scheduled} - {None}
             lora_slots = self.lora.activate(names) if names else None
-        host, sampled = build_host_step(scheduled, self.block_size, window_pool=bool(self.num_window_blocks),
-                                        lora_slots=lora_slots)
-        scored = [item for item in scheduled if positions_to_score(item)]
-        sampling = SamplingBatch.build(sampled, self.eos_token_ids, self.model.config.vocab_size, self.device)
-        return StepInputs(host, to_device(host, self.device), sampled, sampling, scored)
+        with span("inputs.host"):
+            host, sampled = build_host_step(scheduled, self.block_size, window_pool=bool(self.num_window_blocks),
+                                            lora_slots=lora_slots)
+            scored = [item for item in scheduled if positions_to_score(item)]
+        with span("inputs.sampling"):
+            sampling = SamplingBatch.build(sampled, self.eos_token_ids, self.model.config.vocab_size, self.device)
+        with span("inputs.to_device"):
+            device_step = to_device(host, self.device)
+        return StepInputs(host, device_step, sampled, sampling, scored)
 
     @property
     def plans_on_host(self) -> bool:
@@ -162,11 +167,13 @@ class ModelRunner:
         dev = inputs.device
         started = device_started_event(self.device) if self.time_device else None
         if inputs.feed is not None:
-            inputs.feed.write(dev.input_ids)
+            with span("feed"):
+                inputs.feed.write(dev.input_ids)
         if self.workers is not None:
             self.workers.broadcast(inputs.host)  # the other ranks start this step while we do
         try:
-            hidden = self.shard.forward(dev)
+            with span("forward"):
+                hidden = self.shard.forward(dev)
         except RuntimeError as exc:  # a collective failed: say which worker, if one died
             if self.workers is not None:
                 self.workers.explain(exc)
@@ -176,5 +183,6 @@ class ModelRunner:
         if not inputs.sampled:
             return StepTokens.none(self.device)
         wants_logprob = [it.seq.params.logprobs for it in inputs.sampled]
-        return launch_step_tokens(self.model, self.backend.head, hidden[dev.logits_rows], inputs.sampling,
-                                  wants_logprob, started)
+        with span("head"):
+            return launch_step_tokens(self.model, self.backend.head, hidden[dev.logits_rows], inputs.sampling,
+                                      wants_logprob, started)

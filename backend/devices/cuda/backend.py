@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tritonllm.core.config import CudaOptions
+from tritonllm.core.tracing import span
 from tritonllm.devices.backend import Capabilities, DeviceBackend, Runtime
 from tritonllm.devices.cuda.ops import CudaOps
 from tritonllm.layers.attention_metadata import AttentionMetadata
@@ -92,8 +93,10 @@ class CudaBackend(DeviceBackend):
             if hidden is not None:
                 return hidden
         if self.ops.plans is not None:
-            self.ops.plans.plan(meta)
-        return model(input_ids, positions, kv_caches, meta)
+            with span("plan"):
+                self.ops.plans.plan(meta)
+        with span("model"):
+            return model(input_ids, positions, kv_caches, meta)
 
     def plan(self) -> dict[str, str]:
         plan = super().plan()

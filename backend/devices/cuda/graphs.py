@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tritonllm.core.tracing import span
 from tritonllm.devices.cuda.flashinfer_attention import FlashInferPlans, paged_kv_csr
 from tritonllm.layers.attention_metadata import AttentionMetadata, SequenceBatch
 
@@ -98,6 +99,9 @@ class DecodeGraphs:
         self.model, self.plans = model, plans
         self.buckets = [_Bucket(b, max_blocks, plans, plans.device) for b in batch_buckets(max_batch)]
         self.max_batch = max_batch
+        # What the steps did with the graphs, for benchmarks' breakdowns: how many replayed, and the host's
+        # time loading and planning a bucket, then launching its replay.
+        self.replays, self.load_seconds, self.replay_seconds = 0, 0.0, 0.0
 
     def capture(self, kv_caches) -> None:
         started = time.perf_counter()
@@ -147,6 +151,13 @@ class DecodeGraphs:
         bucket = self.bucket_for(input_ids, meta)
         if bucket is None:
             return None
-        bucket.load(self.plans, input_ids, positions, meta)
-        bucket.graph.replay()
+        started = time.perf_counter()
+        with span("graph.load_and_plan"):
+            bucket.load(self.plans, input_ids, positions, meta)
+        loaded = time.perf_counter()
+        with span("graph.replay"):
+            bucket.graph.replay()
+        self.replays += 1
+        self.load_seconds += loaded - started
+        self.replay_seconds += time.perf_counter() - loaded
         return bucket.hidden[:len(input_ids)]
