@@ -101,16 +101,34 @@ class StepTimings:
     device: float = 0.0  # the forward and the head on the device, timed by events (runner.time_device)
 
 
+class _Phases:
+    """Where a start-up's time went, for its log line."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+        self.seconds: list[tuple[str, float]] = []
+
+    def end(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds.append((name, now - self.last))
+        self.last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.seconds)
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **parameters):
         """`config`, with `parameters` (config.pbtxt names, e.g. `max_num_seqs=8`) changed."""
         config = (config or EngineConfig()).with_parameters(**parameters)
         self.config = config
         started = time.perf_counter()
+        phases = _Phases()
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         self.device = platform.resolve_device(config.device.device)
         self.dtype = platform.resolve_dtype(config.model.dtype, self.device)
+        phases.end("device")
         self.model_dir = resolve_model_dir(config.model.path)
         self.tokenizer = load_tokenizer(self.model_dir)
         hf_config = load_hf_config(self.model_dir)
@@ -122,7 +140,9 @@ class Engine:
             self.max_model_len = limit[0]
         self.eos_token_ids = self._eos_ids(hf_config)
         self.guides = Guides(self.tokenizer, self.eos_token_ids)
+        phases.end("tokenizer and config")
         self.runner = ModelRunner(config, self.model_dir, self.device, self.dtype, self.max_model_len, self.eos_token_ids)
+        phases.end("model, device backend and KV pool")
         model, cache = self.runner.model, config.cache
         if not self.runner.backend.capabilities.skips_pruned_blocks and (cache.kv_window or cache.kv_window_ratio):
             self.runner.close()
@@ -147,10 +167,12 @@ class Engine:
         # metrics thread takes them (popleft) a few times a second. Bounded, so that nothing grows
         # where nobody takes them (offline use, metrics off).
         self.step_num_tokens: collections.deque[int] = collections.deque(maxlen=4096)
+        phases.end("scheduler")
         if config.device.warmup:
             warm_up(self.runner, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
+            phases.end("warm-up")
         self.startup_seconds = time.perf_counter() - started
-        logger.info("engine ready in %.1f s on %s (%s)", self.startup_seconds, self.device, self.dtype)
+        logger.info("engine ready in %.1f s on %s (%s): %s", self.startup_seconds, self.device, self.dtype, phases)
 
     def _speculative(self, config: EngineConfig) -> SpeculativeConfig:
         """Speculative decoding as configured where the device backend computes drafted rows as a
