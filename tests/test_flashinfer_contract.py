@@ -18,7 +18,7 @@ from torch import nn
 from flashinfer_reference import ContractError, FlashInferReference
 from shuffled_blocks import ShuffledBlocks
 from tritonllm.devices.cuda.flashinfer_attention import FlashInferPlans, LayerKind
-from tritonllm.devices.cuda.graphs import DecodeGraphs, padded_decodes
+from tritonllm.devices.cuda.graphs import DecodeGraphs, batch_buckets, padded_decodes
 from tritonllm.devices.cuda.ops import CudaOps
 from tritonllm.layers.attention import PagedAttention
 from tritonllm.layers.kv_layout import HEAD_MAJOR, TOKEN_MAJOR, pool_shape
@@ -153,6 +153,17 @@ def test_a_padded_decode_bucket_repeats_the_last_sequence():
     assert seq_lens == seqs.seq_lens_host + seqs.seq_lens_host[-1:] * 2
     assert table.shape == (4, BLOCKS) and (table[2:] == table[1]).all()
     assert (table[:2, :seqs.block_table_host.shape[1]] == seqs.block_table_host).all()
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8, 64, 100, 256, 512])
+def test_decode_buckets_cover_every_batch_and_thin_out_as_they_grow(max_batch):
+    buckets = batch_buckets(max_batch)
+    assert buckets == sorted(set(buckets)) and buckets[0] == 1 and buckets[-1] == max_batch
+    for n in range(1, max_batch + 1):  # every batch has a bucket: at most 7 rows of padding, or a quarter
+        size = next(b for b in buckets if b >= n)
+        assert size - n <= max(7, n // 4)
+    if max_batch == 256:
+        assert len(buckets) == 19
 
 
 # ---- the reference refuses what FlashInfer's documentation forbids ---------------------------------

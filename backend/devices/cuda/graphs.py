@@ -38,9 +38,11 @@ def padded_decodes(seqs: SequenceBatch, size: int, max_blocks: int) -> tuple[lis
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to `max_batch` (and `max_batch` itself): few graphs, little padding."""
-    buckets = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
-    return sorted(set(buckets))
+    """1, 2, 4, then every 8 up to 64, every 16 up to 128, every 32 beyond (and `max_batch` itself): each
+    graph costs start-up time to capture, and a padded row costs a large batch less than a small one (the
+    step reads the same weights), so the buckets thin out as they grow."""
+    buckets = ([1, 2, 4] + list(range(8, 64, 8)) + list(range(64, 128, 16)) + list(range(128, max_batch, 32)))
+    return sorted({b for b in buckets if b < max_batch} | {max_batch})
 
 
 class _Bucket:
