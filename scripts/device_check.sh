@@ -81,8 +81,9 @@ fi
 [ "$stage" = --tests ] && exit 0
 
 # First what the targets are measured by (docs/DEVICES.md): the offline decode step with its per-step
-# breakdown, async scheduling (on by default here) against the synchronous loop.
-python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --variant async_scheduling=false --no-transformers \
+# breakdown, async scheduling against the synchronous loop.
+python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --param async_scheduling=true \
+  --variant async_scheduling=false --no-transformers \
   loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine_async.log"
 # Where the step's host time goes: the engine's named ranges and torch's profiler tables (the profiler's
 # own overhead included), with how many steps replayed a decode graph.

@@ -256,12 +256,14 @@ def test_preempted_sequences_give_the_same_outputs(engine):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("setting, device, tensor_parallel_size, on", [
-    ("auto", "cpu", 1, False), ("auto", "cuda", 1, True), ("auto", "npu", 1, True), ("true", "cpu", 1, True),
-    ("false", "cuda", 1, False), ("true", "cuda", 2, False)])
-def test_the_setting_and_the_device_decide(setting, device, tensor_parallel_size, on):
+@pytest.mark.parametrize("setting, device, plans_on_host, tensor_parallel_size, on", [
+    ("auto", "cpu", False, 1, False), ("auto", "cuda", False, 1, True), ("auto", "cuda", True, 1, False),
+    ("auto", "npu", False, 1, True), ("true", "cpu", False, 1, True), ("true", "cuda", True, 1, True),
+    ("false", "cuda", False, 1, False), ("true", "cuda", False, 2, False)])
+def test_the_setting_and_the_device_decide(setting, device, plans_on_host, tensor_parallel_size, on):
     config = EngineConfig.from_parameters(async_scheduling=setting, tensor_parallel_size=tensor_parallel_size)
-    assert Engine._async_scheduling(SimpleNamespace(device=SimpleNamespace(type=device)), config) is on
+    engine = SimpleNamespace(device=SimpleNamespace(type=device), runner=SimpleNamespace(plans_on_host=plans_on_host))
+    assert Engine._async_scheduling(engine, config) is on
 
 
 # ---- the scheduler's side, without a model ----------------------------------------------------------

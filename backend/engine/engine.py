@@ -185,8 +185,14 @@ class Engine:
 
     def _async_scheduling(self, config: EngineConfig) -> bool:
         setting = config.scheduler.async_scheduling
-        # auto: where the device computes apart from the host; the CPU's forward is the host's own time.
-        on = self.device.type in ("cuda", "npu") if setting == "auto" else setting == "true"
+        # auto: where the device computes apart from the host (the CPU's forward is the host's own time) and
+        # can take the next step while one is in flight. With FlashInfer the next step's plan waits for the
+        # step in flight, and its launch took the host as long as the device took the step: measured on
+        # an H100, async was no faster (docs/DEVICES.md, "Async scheduling").
+        if setting == "auto":
+            on = self.device.type in ("cuda", "npu") and not self.runner.plans_on_host
+        else:
+            on = setting == "true"
         if on and config.parallel.tensor_parallel_size > 1:
             # The worker ranks build each step's input ids from the host arrays, which hold placeholders.
             logger.info("async_scheduling: off with tensor parallelism")

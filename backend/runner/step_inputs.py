@@ -91,12 +91,28 @@ def build_host_step(scheduled: list[ScheduledSeq], block_size: int, window_pool:
     decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: (slot(s), s.seq.num_computed_tokens))
     prefills = sorted((s for s in scheduled if s.num_new_tokens > 1), key=slot)
     input_ids: list[int] = []
-    positions: list[np.ndarray] = []
-    slots: list[np.ndarray] = []
-    window_slots: list[np.ndarray] = []
     logits_rows: list[int] = []
     sampled: list[ScheduledSeq] = []
-    for item in decodes + prefills:
+    # A step's one-token decodes (most of a busy step's rows) in plain ints: numpy's per-call cost would
+    # be most of the work for arrays of one element.
+    one_positions: list[int] = []
+    one_slots: list[int] = []
+    one_window_slots: list[int] = []
+    for item in decodes:  # one token each, so never a draft (a draft adds rows)
+        seq, pos = item.seq, item.seq.num_computed_tokens
+        item.first_row = len(input_ids)
+        input_ids.append(seq.token_ids[pos])
+        one_positions.append(pos)
+        one_slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+        if window_pool:
+            one_window_slots.append(seq.window_block_table[pos // bs] * bs + pos % bs)
+        if item.samples:
+            logits_rows.append(item.first_row)
+            sampled.append(item)
+    positions: list[np.ndarray] = [np.asarray(one_positions, dtype=np.int64)]
+    slots: list[np.ndarray] = [np.asarray(one_slots, dtype=np.int64)]
+    window_slots: list[np.ndarray] = [np.asarray(one_window_slots, dtype=np.int64)]
+    for item in prefills:
         seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
         item.first_row = len(input_ids)
         input_ids.extend(seq.token_ids[start:start + n - len(item.draft)])
