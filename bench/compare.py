@@ -158,8 +158,9 @@ class Comparison:
     # ---- ours ----------------------------------------------------------------------------------
     def run_ours(self, name: str = "ours", overrides: dict[str, str] | None = None, sweep: bool = True) -> None:
         """Our server (or the running one at --ours-url, for "ours"): the replay, then the sweep."""
-        from ours_server import MODEL_NAME, config_parameter, our_server
+        from ours_server import MODEL_NAME, config_parameter, engine_steps, our_server, step_breakdown
         from tritonllm_client.bench import run_bench
+        from tritonllm_client.stream import GenerationParams, StreamingClient
 
         a = self.args
         params = {"num_threads": str(a.threads), **dict(a.ours_param), **(overrides or {})}
@@ -174,14 +175,26 @@ class Comparison:
             desc = (f"tritonllm on tritonserver (nvidia-pytriton 0.7.0), {config}, {dtype}, tritonclient gRPC "
                     "streaming; " + ", ".join(f"{k}={v}" for k, v in params.items()))
 
-        def measure(url: str, ready_s):
+        def measure(url: str, ready_s, metrics_url: str | None = None):
+            before = None
+            if metrics_url:  # the replay's own steps: its warm-up request first, outside the counts
+                with StreamingClient(url, MODEL_NAME) as client:
+                    client.generate("Hello! Warm-up request.", GenerationParams(max_tokens=4), timeout_s=120)
+                before = engine_steps(metrics_url)
+            started = time.perf_counter()
             bench = run_bench(url, MODEL_NAME, self.scenario, num_requests=len(self.specs), timeout_s=a.timeout,
-                              warmup=1, progress=self.progress, keep_text=True)
+                              warmup=0 if metrics_url else 1, progress=self.progress, keep_text=True)
+            seconds = time.perf_counter() - started
             records = bench["runs"][0]["requests"]
             summary = bench["runs"][0]["summary"]
             self.texts[name] = {r["index"]: r.get("text", "") for r in records if r["ok"]}
             self.result["details"][name] = {"summary": summary, "requests": records}
-            self.result["rows"].append(report.system_row(name, desc, summary, start_to_ready_s=ready_s))
+            row = report.system_row(name, desc, summary, start_to_ready_s=ready_s)
+            if metrics_url:
+                time.sleep(1.0)  # the server refreshes its gauges and counters twice a second
+                row["notes"] = step_breakdown(before, engine_steps(metrics_url), seconds)
+                print(f"  {row['notes']}", flush=True)
+            self.result["rows"].append(row)
             self.save()
             if sweep and a.concurrency:
                 try:
@@ -198,7 +211,7 @@ class Comparison:
             work.mkdir(exist_ok=True)
             with our_server(work, params, config_name=a.ours_config) as (server, ready_s):
                 print(f"  start to ready (server launched -> first request answered): {ready_s:.1f} s", flush=True)
-                measure(server.grpc_url, ready_s)
+                measure(server.grpc_url, ready_s, server.metrics_url)
 
         self.run_guarded(name, desc, run)
 

@@ -61,6 +61,35 @@ def prepare_repository(dest: Path, params: dict[str, str], config_name: str | No
     return dest
 
 
+STEP_PHASES = ("schedule", "inputs", "launch", "wait", "apply")
+
+
+def engine_steps(metrics_url: str) -> dict[str, float]:
+    """The server's engine step counters (llm_engine_steps_total, llm_engine_step_seconds_total by phase)."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    got = {"steps": 0.0, **{phase: 0.0 for phase in STEP_PHASES}}
+    for line in text.splitlines():
+        if line.startswith("llm_engine_steps_total"):
+            got["steps"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("llm_engine_step_seconds_total"):
+            phase = re.search(r'phase="([a-z]+)"', line).group(1)
+            got[phase] += float(line.rsplit(" ", 1)[1])
+    return got
+
+
+def step_breakdown(before: dict[str, float], after: dict[str, float], seconds: float) -> str:
+    """The engine thread's steps between two `engine_steps` readings, over a run of `seconds`."""
+    steps = after["steps"] - before["steps"]
+    if steps <= 0:
+        return ""
+    per_step = {p: 1000 * (after[p] - before[p]) / steps for p in STEP_PHASES}
+    return (f"engine steps: {steps:.0f}, {1000 * seconds / steps:.2f} ms of the run each; on the engine thread per step "
+            + ", ".join(f"{p} {ms:.2f}" for p, ms in per_step.items()) + f" ms (sum {sum(per_step.values()):.2f})")
+
+
 @contextlib.contextmanager
 def our_server(work_dir: Path, params: dict[str, str], startup_timeout_s: float = 600.0,
                config_name: str | None = None) -> Iterator[tuple[TritonServer, float]]:

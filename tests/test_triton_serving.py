@@ -173,6 +173,16 @@ def test_metrics_move_as_requests_flow(triton_server, stream):
                  "llm_time_per_output_token_seconds_count", "llm_queue_time_seconds_count"):
         assert metric(after, name) == metric(before, name) + 1, name
     assert metric(after, "llm_generation_tokens_total") >= metric(before, "llm_generation_tokens_total") + 6
+    # at least a prompt step and five decodes, each with time in every phase it has on the CPU (counted
+    # when the gauges are refreshed, twice a second: the idle gauges above may predate the request)
+    deadline = time.monotonic() + 10
+    while metric(after, "llm_engine_steps_total") < metric(before, "llm_engine_steps_total") + 6:
+        assert time.monotonic() < deadline, "the engine's steps were not counted"
+        time.sleep(0.2)
+        after = scrape(triton_server.metrics_url)
+    for phase in ("schedule", "inputs", "launch", "apply"):
+        assert metric(after, "llm_engine_step_seconds_total", phase=phase) > metric(
+            before, "llm_engine_step_seconds_total", phase=phase), phase
     assert metric(after, "llm_kv_cache_blocks", state="total") > 0
     assert metric(after, "llm_requests", state="running") == 0
 

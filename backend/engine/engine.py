@@ -167,7 +167,7 @@ class Engine:
         # metrics thread takes them (popleft) a few times a second. Bounded, so that nothing grows
         # where nobody takes them (offline use, metrics off).
         self.step_num_tokens: collections.deque[int] = collections.deque(maxlen=4096)
-        phases.end("scheduler")
+        phases.end("block manager and scheduler")
         if config.device.warmup:
             warm_up(self.runner, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs)
             phases.end("warm-up")
@@ -370,7 +370,8 @@ class Engine:
                  "steps": self.num_steps,
                  # vLLM's prefix-cache counters: tokens looked up at admission, and those found cached
                  "prefix_cache_queries": self.block_manager.prefix_query_tokens,
-                 "prefix_cache_hits": self.block_manager.prefix_hit_tokens}
+                 "prefix_cache_hits": self.block_manager.prefix_hit_tokens,
+                 "step_timings": dataclasses.asdict(self.step_timings)}
         if self.runner.lora is not None:  # vLLM's lora_requests_info: the adapters running and waiting
             running = {seq.params.lora_name for seq in self.scheduler.running} - {None}
             waiting = {seq.params.lora_name for _, seq in self.scheduler.waiting} - {None}

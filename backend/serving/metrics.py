@@ -16,6 +16,8 @@ from tritonllm.serving.vllm_metrics import VllmMetrics
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 _TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
 _TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+# engine.StepTimings' fields -> the `phase` label of llm_engine_step_seconds_total
+STEP_PHASES = {"schedule": "schedule", "prepare": "inputs", "launch": "launch", "wait": "wait", "apply": "apply"}
 
 
 class EngineMetrics:
@@ -65,6 +67,13 @@ class EngineMetrics:
         self.alive = family("llm_engine_alive", "1 while the engine thread serves; 0 after it died or stopped",
                             F.GAUGE).Metric(labels=labels)
         self._preemptions_seen = 0
+        # Where the engine thread's steps go (engine.StepTimings): with the steps' count, what a step costs
+        # on the host in each phase; the rest of a served step's wall time is the engine thread waiting
+        # for the GIL or a core, or idle.
+        self.steps = family("llm_engine_steps_total", "Engine steps run", F.COUNTER).Metric(labels=labels)
+        step_seconds = family("llm_engine_step_seconds_total", "Engine thread's time in its steps, by phase", F.COUNTER)
+        self.step_seconds = {p: step_seconds.Metric(labels={**labels, "phase": p}) for p in STEP_PHASES.values()}
+        self._timings_seen = {"steps": 0, **{k: 0.0 for k in STEP_PHASES}}
         # The vLLM backend's families beside ours (vllm_metrics.py): dashboards built for it work unchanged.
         self.vllm = VllmMetrics(family, F, {"model": model_name, "version": str(model_version)}, labels, max_model_len,
                                 step_num_tokens)
@@ -104,6 +113,20 @@ class EngineMetrics:
         if new > 0:
             self.preemptions.increment(new)
             self._preemptions_seen = stats["preemptions"]
+        self._count_step_timings(stats.get("step_timings"))
+
+    def _count_step_timings(self, timings: dict | None) -> None:
+        if not timings:
+            return
+        seen = self._timings_seen
+        if timings["steps"] < seen["steps"]:  # the engine's timings were started again
+            seen.update({k: 0 for k in seen})
+        if timings["steps"] > seen["steps"]:
+            self.steps.increment(timings["steps"] - seen["steps"])
+        for key, phase in STEP_PHASES.items():
+            if timings[key] > seen[key]:
+                self.step_seconds[phase].increment(timings[key] - seen[key])
+        seen.update({k: timings[k] for k in seen})
 
     def close(self) -> None:
         """Release every metric, then the families, while the stub can still reach tritonserver (from
