@@ -223,3 +223,37 @@ def test_engine_loop_builds_its_engine_on_the_loop_thread(engine):
 
     with pytest.raises(RuntimeError, match="no model here"):
         EngineLoop.build(broken)
+
+
+def test_engine_loop_hands_over_each_steps_outputs_at_once(engine):
+    """With `deliver_step`, a step's outputs come in one call (one wake-up of a response thread per step,
+    not per request), each with its request's callback; an abort's final output still comes alone."""
+    import queue
+
+    from tritonllm.core.sampling_params import SamplingParams
+    from tritonllm.engine.engine_loop import EngineLoop
+
+    steps: queue.SimpleQueue = queue.SimpleQueue()
+    alone: queue.SimpleQueue = queue.SimpleQueue()
+    loop = EngineLoop.build(lambda: engine, deliver_step=steps.put)
+    try:
+        callbacks = {name: (lambda out, name=name: alone.put((name, out))) for name in ("a", "b", "c")}
+        ids = {name: loop.submit(callbacks[name], f"Count to ten, {name}:",
+                                 SamplingParams(max_tokens=8 if name != "c" else 200, ignore_eos=True))
+               for name in callbacks}
+        by_request: dict[str, list] = {request_id: [] for request_id in ids.values()}
+        while not all(outs and outs[-1].finished for request_id, outs in by_request.items() if request_id != ids["c"]):
+            batch = steps.get(timeout=60)
+            assert batch and len({out.request_id for _, out in batch}) == len(batch)  # one output per request
+            for callback, out in batch:
+                assert callback is callbacks[next(k for k, v in ids.items() if v == out.request_id)]
+                by_request[out.request_id].append(out)
+        loop.abort(ids["c"])
+        name, last = alone.get(timeout=60)
+        assert name == "c" and last.finished and last.finish_reason == "abort"
+        assert [sum(len(o.new_token_ids) for o in by_request[ids[k]]) for k in "ab"] == [8, 8]
+    finally:
+        loop._stopping.set()  # stop the thread without closing the shared engine
+        loop._wake.set()
+        loop._thread.join(10)
+    assert not engine.has_unfinished()

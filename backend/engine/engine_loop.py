@@ -25,6 +25,8 @@ from tritonllm.engine.engine import Engine
 logger = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
+# A step's outputs with each one's callback, handed over at once (EngineLoop's `deliver_step`).
+StepDelivery = Callable[[list[tuple[OutputCallback, RequestOutput]]], None]
 
 
 class EngineLoop:
@@ -39,12 +41,15 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine | None = None, idle_wait_s: float = 0.05, *,
-                 on_step_done: Callable[[], None] | None = None,
+                 deliver_step: StepDelivery | None = None,
                  _make_engine: Callable[[], Engine] | None = None):
         self._idle_wait_s = idle_wait_s
-        # Called on the loop thread once a step's outputs have all gone to their callbacks: a caller
-        # that joins several outputs of one request (its n completions) knows the step is complete.
-        self._on_step_done = on_step_done
+        # Where given, a step's outputs go to it in one call, as (callback, output) pairs, instead of one
+        # callback call each; outputs outside steps (aborts, errors) still go to their callbacks. A
+        # caller that hands outputs to another thread then wakes it once a step, not once a request
+        # (each wake-up takes the GIL from this thread), and knows when a step's outputs are complete
+        # (a request's n completions join in one response).
+        self._deliver_step = deliver_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
         self._wake = threading.Event()
@@ -67,9 +72,9 @@ class EngineLoop:
 
     @classmethod
     def build(cls, make_engine: Callable[[], Engine], idle_wait_s: float = 0.05,
-              on_step_done: Callable[[], None] | None = None) -> "EngineLoop":
+              deliver_step: StepDelivery | None = None) -> "EngineLoop":
         """Build the engine on the loop thread (blocks until it is ready; its errors are raised here)."""
-        return cls(None, idle_wait_s, on_step_done=on_step_done, _make_engine=make_engine)
+        return cls(None, idle_wait_s, deliver_step=deliver_step, _make_engine=make_engine)
 
     @property
     def alive(self) -> bool:
@@ -114,8 +119,24 @@ class EngineLoop:
                 for out in self.engine.abort(item):
                     self._deliver(out)
 
+    def _callback_for(self, out: RequestOutput) -> OutputCallback | None:
+        return self._callbacks.pop(out.request_id) if out.finished else self._callbacks.get(out.request_id)
+
+    def _deliver_step_outputs(self, outputs: list[RequestOutput]) -> None:
+        if self._deliver_step is None:
+            for out in outputs:
+                self._deliver(out)
+            return
+        batch = [(callback, out) for out in outputs if (callback := self._callback_for(out)) is not None]
+        if not batch:
+            return
+        try:
+            self._deliver_step(batch)
+        except Exception:  # a broken caller must not stop everyone else's generation
+            logger.exception("delivering a step's outputs failed")
+
     def _deliver(self, out: RequestOutput) -> None:
-        callback = self._callbacks.pop(out.request_id) if out.finished else self._callbacks.get(out.request_id)
+        callback = self._callback_for(out)
         if callback is None:
             return
         try:
@@ -145,10 +166,7 @@ class EngineLoop:
                     continue
                 outputs = self.engine.step()
                 self.stats = self.engine.stats()
-                for out in outputs:
-                    self._deliver(out)
-                if outputs and self._on_step_done is not None:
-                    self._on_step_done()
+                self._deliver_step_outputs(outputs)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
             self.error = f"{type(exc).__name__}: {exc}"
             logger.error("engine thread died: %s\n%s", self.error, traceback.format_exc())

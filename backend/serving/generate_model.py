@@ -42,7 +42,6 @@ logger = logging.getLogger("tritonllm")
 
 _CANCEL_CHECK_S = 0.2  # is_cancelled() is a round trip to the server: a step or so is soon enough
 _METRICS_REFRESH_S = 0.5
-_STEP_DONE = object()  # queued after each engine step's outputs
 _ERROR_KINDS = {"InvalidRequestError": "invalid_argument", "QueueFullError": "unavailable",
                 "EngineDeadError": "unavailable"}
 
@@ -100,6 +99,18 @@ class _Active:
         self.closed = False
 
 
+class _ToResponses:
+    """A request's output callback: its outputs to the response thread (engine_loop.py's callbacks)."""
+
+    __slots__ = ("active", "outputs")
+
+    def __init__(self, active: _Active, outputs: queue.SimpleQueue):
+        self.active, self.outputs = active, outputs
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.outputs.put((self.active, out))
+
+
 class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config):
@@ -128,14 +139,16 @@ class TritonPythonModel:
         logging.getLogger("tritonllm").setLevel(config.serving.log_level.upper())
         self.model_name = args.get("model_name", "model")
         started = time.perf_counter()
-        self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # (request, engine output), or _STEP_DONE
+        # A step's outputs as one list of (_ToResponses, engine output); outputs outside steps (aborts,
+        # errors) one by one as (request, engine output).
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         # Built and warmed on the loop thread that will run it (see EngineLoop on OpenMP pools).
         # The engine (and torch with it) is imported here, not with this module: Triton's auto-complete
         # stub imports the module for auto_complete_config alone, and importing torch is most of that stub's start.
         from tritonllm.engine.engine import Engine
         from tritonllm.engine.engine_loop import EngineLoop
 
-        self.loop = EngineLoop.build(lambda: Engine(config), on_step_done=lambda: self._outputs.put(_STEP_DONE))
+        self.loop = EngineLoop.build(lambda: Engine(config), deliver_step=self._outputs.put)
         self.engine = self.loop.engine
         self.instance_name = instance_label(args, self.model_name)
         self.metrics = (EngineMetrics(pb_utils, self.model_name, args.get("model_version", "1"), self.instance_name,
@@ -183,7 +196,7 @@ class TritonPythonModel:
         # Registered before submitting: the first output may arrive before submit() returns.
         self._active[active.request_id] = active
         try:
-            self.loop.submit(lambda out: self._outputs.put((active, out)), parsed.prompt, parsed.params,
+            self.loop.submit(_ToResponses(active, self._outputs), parsed.prompt, parsed.params,
                              prompt_token_ids=parsed.prompt_token_ids,
                              apply_chat_template=parsed.apply_chat_template, request_id=active.request_id)
         except BaseException:
@@ -198,7 +211,9 @@ class TritonPythonModel:
                 item = self._outputs.get(timeout=_CANCEL_CHECK_S)
             except queue.Empty:
                 item = None
-            if item is _STEP_DONE:
+            if isinstance(item, list):  # one step's outputs
+                for to_responses, out in item:
+                    self._handle_safely(to_responses.active, out)
                 # A step's outputs have all arrived: one response per request with n > 1 for all of them.
                 pending, self._pending = self._pending, {}
                 for active in pending.values():
@@ -207,11 +222,7 @@ class TritonPythonModel:
                     except Exception:  # noqa: BLE001 - keep serving the other streams
                         self._failed(active)
             elif item is not None:
-                active, out = item
-                try:
-                    self._handle(active, out)
-                except Exception:  # noqa: BLE001 - keep serving the other streams
-                    self._failed(active)
+                self._handle_safely(*item)
             now = time.monotonic()
             if now - last_cancel_check >= _CANCEL_CHECK_S:
                 last_cancel_check = now
@@ -232,6 +243,12 @@ class TritonPythonModel:
                     except Exception:  # noqa: BLE001 - metrics must never stop the responses
                         logger.exception("refreshing metrics failed")
                 engine_health.report_engine_death(pb_utils, self.model_name, self.instance_name, self.loop.error)
+
+    def _handle_safely(self, active: _Active, out: RequestOutput) -> None:
+        try:
+            self._handle(active, out)
+        except Exception:  # noqa: BLE001 - keep serving the other streams
+            self._failed(active)
 
     def _handle(self, active: _Active, out: RequestOutput) -> None:
         if out.finished and out.error is None and self.metrics is not None:
