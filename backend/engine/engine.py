@@ -564,7 +564,9 @@ class Engine:
         start = state.num_emitted_tokens
         state.num_emitted_tokens = seq.num_output_tokens
         texts = state.token_texts[start:] if state.token_texts is not None else []
-        return seq.output_token_ids[start:], seq.output_logprobs[start:], seq.output_top_logprobs[start:], texts
+        # (not seq.output_token_ids[start:]: that copies every output token, each step)
+        new_ids = seq.token_ids[seq.num_prompt_tokens + start:]
+        return new_ids, seq.output_logprobs[start:], seq.output_top_logprobs[start:], texts
 
     @staticmethod
     def _take_prompt_logprobs(seq: Sequence, state: _StreamState) -> list | None:
