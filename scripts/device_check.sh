@@ -8,6 +8,11 @@
 #   bash scripts/device_check.sh            # tests, then benchmarks
 #   bash scripts/device_check.sh --tests    # tests only
 #   bash scripts/device_check.sh --bench    # benchmarks only
+#   DEVICE_BENCH="decode profile served" bash scripts/device_check.sh --bench   # only these benchmarks
+# The benchmarks, in this order: decode (the offline step, async against synchronous), profile (the same
+# under torch's profiler), served (the burst, one response per token and coalesced), fp8 (accuracy and
+# time), saturating (the served replay, beside vLLM where it installs), transformers (the engine against
+# transformers on the device).
 # On a machine without a package registry, the wheels its image lacks come from scripts/device_bundle.sh:
 # where .device/bundle.tar.part-* is present they are installed from there into the image's Python, nothing
 # is downloaded and vLLM is left out.
@@ -75,34 +80,35 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$out/device.txt" || true
 python3 -m tritonllm.models.model_files >/dev/null
 if [ "$stage" != --bench ]; then
-  python3 -m pytest -v -rs -p no:cacheprovider tests/test_devices.py tests/test_attention_layouts.py tests/test_fp8.py \
+  python3 -m pytest -v -rs --durations=15 -p no:cacheprovider tests/test_devices.py tests/test_attention_layouts.py tests/test_fp8.py \
     tests/test_async_scheduling.py 2>&1 | tee "$out/tests.log"
 fi
 [ "$stage" = --tests ] && exit 0
+want() { [[ " ${DEVICE_BENCH:-decode profile served fp8 saturating transformers} " == *" $1 "* ]]; }
 
 # First what the targets are measured by (docs/DEVICES.md): the offline decode step with its per-step
 # breakdown, async scheduling against the synchronous loop.
-python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --param async_scheduling=true \
+want decode && python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --param async_scheduling=true \
   --variant async_scheduling=false --no-transformers \
   loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine_async.log"
 # Where the step's host time goes: the engine's named ranges and torch's profiler tables (the profiler's
 # own overhead included), with how many steps replayed a decode graph.
-python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --no-transformers --profile \
+want profile && python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --no-transformers --profile \
   loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine_profile.log"
 # The served burst with one response per token, then with each stream's responses built when its sender
 # thread reaches them (response_coalescing).
-python3 bench/compare.py --scenario loadtest/scenarios/burst.yaml --systems ours --concurrency none --decode-steps 0 \
-  --ours-config "$device" --out "$out/burst" 2>&1 | tee "$out/burst.log"
-python3 bench/compare.py --scenario loadtest/scenarios/burst.yaml --systems ours --concurrency none --decode-steps 0 \
+want served && python3 bench/compare.py --scenario loadtest/scenarios/burst.yaml --systems ours --concurrency none \
+  --decode-steps 0 --ours-config "$device" --out "$out/burst" 2>&1 | tee "$out/burst.log"
+want served && python3 bench/compare.py --scenario loadtest/scenarios/burst.yaml --systems ours --concurrency none --decode-steps 0 \
   --ours-config "$device" --ours-param response_coalescing=true --out "$out/burst_coalescing" 2>&1 | tee "$out/burst_coalescing.log"
 # FP8 weights (torch._scaled_mm) and an FP8 KV cache: what they cost in accuracy against bfloat16, and in time.
-python3 bench/quantization_accuracy.py --device "$device" --dtype bfloat16 --variant quantization=fp8 \
+want fp8 && python3 bench/quantization_accuracy.py --device "$device" --dtype bfloat16 --variant quantization=fp8 \
   --variant kv_cache_dtype=fp8 --variant quantization=fp8,kv_cache_dtype=fp8 2>&1 | tee "$out/quantization_accuracy.log"
-python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --variant quantization=fp8 --no-transformers \
+want fp8 && python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --variant quantization=fp8 --no-transformers \
   loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine_fp8.log"
 # Served, beside vLLM's GPU build in a venv of its own where a registry is at hand.
 vllm_args=() systems=ours
-if [ "$device" = cuda ] && [ "$offline" = false ]; then
+if want saturating && [ "$device" = cuda ] && [ "$offline" = false ]; then
   if [ ! -x "$HOME/.venvs/vllm-gpu/bin/python" ]; then
     python3 -m venv "$HOME/.venvs/vllm-gpu" && "$HOME/.venvs/vllm-gpu/bin/pip" install --quiet vllm \
       || echo "device_check: vLLM did not install" | tee -a "$out/device.txt"
@@ -111,15 +117,16 @@ if [ "$device" = cuda ] && [ "$offline" = false ]; then
     vllm_args=(--vllm-python "$HOME/.venvs/vllm-gpu/bin/python" --vllm-dtype bfloat16) systems=ours,vllm
   fi
 fi
-python3 bench/compare.py --scenario loadtest/scenarios/seed_replay_saturating.yaml --systems "$systems" \
+want saturating && python3 bench/compare.py --scenario loadtest/scenarios/seed_replay_saturating.yaml --systems "$systems" \
   --concurrency none --decode-steps 0 --ours-config "$device" "${vllm_args[@]}" --out "$out/saturating" \
   2>&1 | tee "$out/saturating.log"
-if [ "$systems" = ours,vllm ]; then
+if want saturating && [ "$systems" = ours,vllm ]; then
   python3 bench/compare.py --scenario loadtest/scenarios/burst.yaml --systems vllm --concurrency none --decode-steps 0 \
     "${vllm_args[@]}" --out "$out/burst_vllm" 2>&1 | tee "$out/burst_vllm.log"
 fi
 # Last, as the longest: the engine against transformers on the same device (and its reference attention).
 variant=cuda_attention=torch
 [ "$device" = npu ] && variant=npu_attention=torch
-python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --variant "$variant" \
+want transformers && python3 bench/offline_engine.py --device "$device" --dtype bfloat16 --variant "$variant" \
   loadtest/scenarios/burst.yaml loadtest/scenarios/seed_replay_saturating.yaml 2>&1 | tee "$out/offline_engine.log"
+exit 0  # a benchmark left out above is not a failure
