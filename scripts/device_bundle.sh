@@ -39,8 +39,15 @@ rm -rf .device/wheels
 ls -l .device
 echo
 echo "Copy the parts to the GPU machine one call each (it keeps them while it stays warm: the next call"
-echo "must come within its idle time, 30 s on the lent machines), then run the check:"
-for part in .device/bundle.tar.part-*; do
+echo "must come within its idle time, 30 s on the lent machines); the last part's call runs the tests, and"
+echo "a last call the benchmarks, each bounded by a timeout inside the command so that its results come back:"
+parts=(.device/bundle.tar.part-*)
+for part in "${parts[@]::${#parts[@]}-1}"; do
   echo "  device run: command 'ls -l .device'  carry ['$part']"
 done
-echo "  device run: command 'bash scripts/device_check.sh --tests'  (then --bench; each writes to \$OUT)"
+run='export PYTHONUNBUFFERED=1; timeout -k 10 SECONDS bash scripts/device_check.sh STAGE; echo rc=$?;'
+run+=' [ -e $OUT/device-check-NAME.tar.gz ] || tar -czf $OUT/device-check-NAME.tar.gz -C results device-check'
+tests=${run//SECONDS/420}; tests=${tests//STAGE/--tests}; tests=${tests//NAME/tests}
+bench=${run//SECONDS/340}; bench=${bench//STAGE/--bench}; bench=${bench//NAME/bench}
+echo "  device run: command '$tests'  carry ['${parts[-1]}']  timeout_s 470"
+echo "  device run: command 'export DEVICE_BENCH=\"decode profile served saturating\"; $bench'  timeout_s 380"
