@@ -371,7 +371,7 @@ class Engine:
                  # vLLM's prefix-cache counters: tokens looked up at admission, and those found cached
                  "prefix_cache_queries": self.block_manager.prefix_query_tokens,
                  "prefix_cache_hits": self.block_manager.prefix_hit_tokens,
-                 "step_timings": dataclasses.asdict(self.step_timings)}
+                 "step_timings": dict(vars(self.step_timings))}  # after every step: a flat copy, not asdict's
         if self.runner.lora is not None:  # vLLM's lora_requests_info: the adapters running and waiting
             running = {seq.params.lora_name for seq in self.scheduler.running} - {None}
             waiting = {seq.params.lora_name for _, seq in self.scheduler.waiting} - {None}
