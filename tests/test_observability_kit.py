@@ -101,8 +101,13 @@ def test_vllm_preemption_step_phase_and_prefix_cache_families_follow_real_reques
     time.sleep(1.0)  # the steps of earlier requests observed by a refresh before `before`
     before = scrape(url)
     num_output = 8
-    # A prompt no other test of the session sends (the server is shared): the first request finds nothing cached.
+    # A prompt no other test of the session sends (the server is shared): the first request finds no whole
+    # block cached (its first tokens may still match the start of another prompt's block: a partial hit).
     prompt = f"{uuid.uuid4().hex} {PROMPT}"
+
+    def delta(samples, name, since=before):
+        return samples.get(name + _VLLM_LABELS, 0.0) - since.get(name + _VLLM_LABELS, 0.0)
+
     client = StreamClient(triton_server.grpc_url)
     try:
         prompt_tokens = []
@@ -112,11 +117,12 @@ def test_vllm_preemption_step_phase_and_prefix_cache_families_follow_real_reques
             got = client.wait([f"p{k}"])[f"p{k}"]
             assert got.error is None and got.num_output_tokens == num_output, got.error
             prompt_tokens.append(got.num_input_tokens)
+            if k == 0:  # the first request's lookup, counted before the second is sent
+                _wait_for(lambda s: delta(s, "vllm:prefix_cache_queries_total") >= prompt_tokens[0], url)
+                time.sleep(1.0)  # its hits too: one refresh moves the two counters one after the other
+                between = scrape(url)
     finally:
         client.close()
-
-    def delta(samples, name):
-        return samples.get(name + _VLLM_LABELS, 0.0) - before.get(name + _VLLM_LABELS, 0.0)
 
     steps = 2 * num_output  # a prefill step that samples the first token, then one step per further token
     after = _wait_for(lambda s: delta(s, "vllm:iteration_tokens_total_count") >= steps
@@ -131,7 +137,10 @@ def test_vllm_preemption_step_phase_and_prefix_cache_families_follow_real_reques
 
     queries, hits = delta(after, "vllm:prefix_cache_queries_total"), delta(after, "vllm:prefix_cache_hits_total")
     assert queries == sum(prompt_tokens)  # each prompt looked up once at admission
-    assert 16 <= hits < prompt_tokens[1]  # the repeat found whole blocks, never its last token's
+    first_hits = delta(between, "vllm:prefix_cache_hits_total")
+    repeat_hits = delta(after, "vllm:prefix_cache_hits_total", since=between)
+    assert first_hits < 16  # no whole block of a prompt no one sent before
+    assert 16 <= repeat_hits < prompt_tokens[1]  # the repeat found whole blocks, never its last token's
     assert delta(after, "vllm:num_preemptions_total") == 0  # a KV pool with room for both
     assert delta(after, "vllm:iteration_tokens_total_count") == steps
     assert delta(after, "vllm:iteration_tokens_total_sum") == queries - hits + 2 * (num_output - 1)
