@@ -18,7 +18,8 @@ from typing import Iterator
 from tritonllm_client.stream import GenerationParams, StreamingClient
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the tests' tritonserver harness, shared with the benchmarks
+sys.path.insert(0, str(REPO / "tests"))  # the tests' tritonserver harness and metrics scraping, shared with the benchmarks
+from grpc_stream import metric, scrape  # noqa: E402
 from tritonserver_harness import TritonServer  # noqa: E402
 MODEL_NAME = "smollm2"
 
@@ -66,18 +67,9 @@ STEP_PHASES = ("schedule", "inputs", "launch", "wait", "apply")
 
 def engine_steps(metrics_url: str) -> dict[str, float]:
     """The server's engine step counters (llm_engine_steps_total, llm_engine_step_seconds_total by phase)."""
-    import urllib.request
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
-    got = {"steps": 0.0, **{phase: 0.0 for phase in STEP_PHASES}}
-    for line in text.splitlines():
-        if line.startswith("llm_engine_steps_total"):
-            got["steps"] += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("llm_engine_step_seconds_total"):
-            phase = re.search(r'phase="([a-z]+)"', line).group(1)
-            got[phase] += float(line.rsplit(" ", 1)[1])
-    return got
+    samples = scrape(metrics_url)
+    return {"steps": metric(samples, "llm_engine_steps_total"),
+            **{phase: metric(samples, "llm_engine_step_seconds_total", phase=phase) for phase in STEP_PHASES}}
 
 
 def step_breakdown(before: dict[str, float], after: dict[str, float], seconds: float) -> str:
