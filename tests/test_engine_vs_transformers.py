@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from greedy_reference import transformers_greedy
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
 from tritonllm.core.sampling_params import SamplingParams
 
@@ -24,15 +25,13 @@ def _prompt_ids(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(hf_model, tokenizer, engine):
-    """(prompt ids, greedy ids, their log-probs) from transformers' generate, one prompt at a time."""
+    """(prompt ids, greedy ids, their log-probs): transformers' greedy decoding, one prompt at a time, checked
+    from the engine's output for each prompt alone (greedy_reference.py)."""
+    eos = sorted(engine.eos_token_ids)
     cases = []
     for ids in _prompt_ids(tokenizer):
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
-                                output_scores=True, return_dict_in_generate=True,
-                                eos_token_id=sorted(engine.eos_token_ids), pad_token_id=tokenizer.eos_token_id)
-        new = out.sequences[0, len(ids):].tolist()
-        logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, new)]
-        cases.append((ids, new, logprobs))
+        [candidate] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=MAX_NEW))
+        cases.append((ids, *transformers_greedy(hf_model, ids, candidate.token_ids, MAX_NEW, eos=eos)))
     return cases
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from greedy_reference import transformers_greedy
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
 from tritonllm.core.config import EngineConfig, LoraConfig, SchedulerConfig
 from tritonllm.core.parameters import ConfigError
@@ -86,8 +87,9 @@ def prompt_ids(hf_tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, adapters, prompt_ids, hf_tokenizer) -> dict[tuple[str | None, int], tuple[list[int], list[float]]]:
-    """(adapter or None, prompt index) -> greedy ids and their log-probs from transformers + PeftModel."""
+def reference(model_dir, adapters, prompt_ids, hf_tokenizer, lora_engine) -> dict[tuple[str | None, int], tuple[list[int], list[float]]]:
+    """(adapter or None, prompt index) -> greedy ids and their log-probs from transformers + PeftModel, checked
+    from the engine's output for each request alone (greedy_reference.py)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -100,20 +102,18 @@ def reference(model_dir, adapters, prompt_ids, hf_tokenizer) -> dict[tuple[str |
     # The engine's end tokens: the model config's, the tokenizer's and the generation config's.
     eos = sorted({base.config.eos_token_id, hf_tokenizer.eos_token_id, base.generation_config.eos_token_id} - {None})
 
-    def generate(ids):
-        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, eos_token_id=eos, pad_token_id=eos[0])
-        new = out.sequences[0, len(ids):].tolist()
-        return new, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, new)]
+    def generate(ids, name):
+        [out] = lora_engine.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=MAX_NEW, lora_name=name))
+        return transformers_greedy(model, ids, out.token_ids, MAX_NEW, eos=eos)
 
     cases = {}
     with torch.inference_mode():
         for i, ids in enumerate(prompt_ids):
             with model.disable_adapter():
-                cases[(None, i)] = generate(ids)
+                cases[(None, i)] = generate(ids, None)
             for name in names:
                 model.set_adapter(name)
-                cases[(name, i)] = generate(ids)
+                cases[(name, i)] = generate(ids, name)
     return cases
 
 

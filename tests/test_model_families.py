@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from greedy_reference import transformers_greedy
 from tiny_models import tiny_config_args, write_tiny_model
 from tritonllm.core.config import EngineConfig
 from tritonllm.engine.engine import Engine
@@ -67,9 +68,9 @@ FAMILIES = {
 }
 
 
-def _reference(model, ids: list[int], max_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+def _reference(model, ids: list[int], max_tokens: int, candidate: list[int]) -> list[int]:
+    """transformers' greedy output of `max_tokens` tokens, EOS banned (greedy_reference.py checks `candidate`)."""
+    return transformers_greedy(model, ids, candidate, max_tokens, min_new_tokens=max_tokens)[0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -81,7 +82,7 @@ def test_greedy_outputs_equal_transformers(family, cpu_kernels, tokenizer, tmp_p
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     outs = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     for ids, out in zip(prompts, outs):  # batched together, each against its own generate
-        assert out.token_ids == _reference(model, ids, MAX_TOKENS)
+        assert out.token_ids == _reference(model, ids, MAX_TOKENS, out.token_ids)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -128,7 +129,7 @@ def test_sliding_window_layers_equal_transformers_past_the_window(family, cpu_ke
     assert len(prompts[1]) > 64
     outs = engine.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=48, ignore_eos=True))
     for ids, out in zip(prompts, outs):
-        assert out.token_ids == _reference(model, ids, 48)
+        assert out.token_ids == _reference(model, ids, 48, out.token_ids)
 
 
 def _peak_used_blocks(engine, prompt_ids: list[int], max_tokens: int):
@@ -153,7 +154,7 @@ def test_blocks_behind_a_window_every_layer_slides_are_freed_exactly(cpu_kernels
     ids = tokenizer.encode(" ".join(PROMPTS), add_special_tokens=False)
     assert 16 < len(ids) < 32
     tokens, peak = _peak_used_blocks(engine, ids, 120)
-    assert tokens == _reference(model, ids, 120)
+    assert tokens == _reference(model, ids, 120, tokens)
     assert peak <= 32 // 16 + 2
     hits = engine.block_manager.prefix_hit_tokens
     again, _ = _peak_used_blocks(engine, ids, 40)
@@ -185,7 +186,7 @@ def test_longrope_caps_max_model_len_where_its_frequencies_change(partial, token
     ids = tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=64, ignore_eos=True))
     assert out.finish_reason == "length" and len(ids) + len(out.token_ids) == 32
-    assert out.token_ids == _reference(model, ids, 32 - len(ids))
+    assert out.token_ids == _reference(model, ids, 32 - len(ids), out.token_ids)
     with pytest.raises(InvalidRequestError, match="max_model_len is 32"):
         engine.generate(prompt_token_ids=[list(range(100, 132))], params=SamplingParams(max_tokens=4))
 
@@ -222,4 +223,4 @@ def test_two_tensor_parallel_ranks_split_these_weights_correctly(family, tokeniz
     finally:
         engine.close()
     for ids, out in zip(prompts, outs):
-        assert out.token_ids == _reference(model, ids, 40)
+        assert out.token_ids == _reference(model, ids, 40, out.token_ids)

@@ -262,9 +262,9 @@ def test_a_killed_tensor_parallel_worker_fails_its_requests_and_the_model_comes_
 
 # ---- drain -------------------------------------------------------------------------------------------
 def test_sigterm_lets_requests_finish_refuses_new_ones_and_exits_0(tmp_path):
-    # The short request has time to finish even at a token every two seconds (a loaded 2-core machine); the
-    # long one cannot, even at a few hundred tokens a second (an idle one).
-    exit_timeout = 12
+    # The short request has time to finish even at a token a second (a loaded 2-core machine); the long one
+    # cannot, even at a few hundred tokens a second (an idle one).
+    exit_timeout = 8
     long_context = {**FAST, "max_model_len": 8192, "num_kv_blocks": 600}
     server = Supervised(make_repository(tmp_path / "repo", with_minilm=False, **long_context), tmp_path / "serve.log",
                         f"--exit-timeout-secs={exit_timeout}")

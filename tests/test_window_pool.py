@@ -5,9 +5,9 @@ and cached prefixes are still reused."""
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 
+from greedy_reference import transformers_greedy
 from tiny_models import tiny_config_args, write_tiny_model
 from tritonllm.scheduling.block_manager import KVCopy, chain_hash
 from tritonllm.core.config import EngineConfig
@@ -126,9 +126,9 @@ MIXED = {
 }
 
 
-def _reference(model, ids: list[int], max_tokens: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+def _reference(model, ids: list[int], max_tokens: int, candidate: list[int]) -> list[int]:
+    """transformers' greedy output of `max_tokens` tokens, EOS banned (greedy_reference.py checks `candidate`)."""
+    return transformers_greedy(model, ids, candidate, max_tokens, min_new_tokens=max_tokens)[0]
 
 
 def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int, int]:
@@ -160,7 +160,7 @@ def test_past_the_window_the_sliding_layers_hold_a_windows_worth_of_blocks(famil
     assert engine.runner.num_window_blocks == 4 * 8  # max_num_seqs sequences of (32 + 64) / 16 + 2 blocks
     ids = tokenizer.encode(PROMPT, add_special_tokens=False)
     outs, peak_main, peak_window = _run(engine, [ids], 120)
-    assert outs[0] == _reference(model, ids, 120)
+    assert outs[0] == _reference(model, ids, 120, outs[0])
     assert peak_main == -(-(len(ids) + 119) // 16)  # the full layers keep every position
     # The sliding layers: the window before the newest token and the prompt's first 64-token chunk.
     assert peak_window <= max(-(-(WINDOW + 1) // 16) + 1, 64 // 16 + 1) < peak_main
@@ -184,7 +184,7 @@ def test_a_prefix_reused_past_the_window_gives_the_models_outputs(gemma3, tokeni
     hits = engine.block_manager.prefix_hit_tokens
     (again,), _, _ = _run(engine, [first], 24)
     assert engine.block_manager.prefix_hit_tokens - hits == len(first) - 1  # every prompt token but the last
-    assert again == out_first == _reference(model, first, 24)
+    assert again == out_first == _reference(model, first, 24, out_first)
 
 
 def test_preempted_sequences_recompute_the_models_outputs(gemma3, tokenizer):
@@ -196,7 +196,7 @@ def test_preempted_sequences_recompute_the_models_outputs(gemma3, tokenizer):
     outs, _, _ = _run(engine, prompts, 120)
     assert engine.scheduler.num_preemptions > 0
     for ids, out in zip(prompts, outs):
-        assert out == _reference(model, ids, 120)
+        assert out == _reference(model, ids, 120, out)
 
 
 def test_the_memory_the_window_pool_saves_goes_to_the_full_layers(gemma3):

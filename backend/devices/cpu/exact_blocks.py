@@ -134,13 +134,14 @@ def _solve(blocks: torch.Tensor, m: torch.Tensor | None, span: torch.Tensor, lev
 
 def _rebuilds(blocks: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> bool:
     """Whether the blocks decode to the weight bit for bit, as the GEMM decodes them."""
-    rebuilt = d[..., None] * q.float()
+    rebuilt = d[..., None] * q  # q widened to float32 as it is multiplied: one pass, the same products
     if m is not None:
         inexact = d != d.half().float()  # only these can have a d * q that is not exact
         if bool(inexact.any()) and not bool(_exact_products(d[inexact], q[inexact].float(), rebuilt[inexact]).all()):
             return False
-        rebuilt = rebuilt + m[..., None]
-    return bool((rebuilt.view(torch.int32) == blocks.view(torch.int32)).all())
+        rebuilt.add_(m[..., None])
+    # Bits, not values: -0.0 against +0.0, and NaNs, must differ.
+    return torch.equal(rebuilt.view(torch.int32), blocks.view(torch.int32))
 
 
 def _exact_products(d: torch.Tensor, q: torch.Tensor, products: torch.Tensor) -> torch.Tensor:
