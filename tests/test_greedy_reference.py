@@ -56,3 +56,30 @@ def test_any_wrong_candidate_is_replaced_by_generates_output(tiny, tokenizer):
     wrong = [want[:7] + [other] + want[8:], want[:11], want + [want[0]], [], want[:7] + [other]]
     for candidate in wrong:
         assert transformers_greedy(tiny, ids, candidate, 12)[0] == want, candidate
+
+
+def test_logits_processors_apply_at_every_position_as_in_generate(tiny, tokenizer):
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    plain, _ = _generate(tiny, ids, 12)
+    banned = plain[2]
+
+    def ban(input_ids, scores):  # sees the sequence so far, as generate's processors do
+        scores = scores.clone()
+        scores[0, banned] = float("-inf")
+        if input_ids.shape[1] > len(ids):
+            scores[0, int(input_ids[0, -1])] -= 1.0
+        return scores
+
+    out = tiny.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, logits_processor=[ban],
+                        pad_token_id=0)
+    want = out[0, len(ids):].tolist()
+    assert banned not in want and want != plain
+    assert transformers_greedy(tiny, ids, want, 12, processors=[ban])[0] == want
+    assert transformers_greedy(tiny, ids, plain, 12, processors=[ban])[0] == want
+
+
+def test_without_eos_ids_nothing_stops_the_output_early(tiny, tokenizer):
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    full, _ = transformers_greedy(tiny, ids, [], 40, eos=[])  # generate's own output
+    assert len(full) == 40
+    assert transformers_greedy(tiny, ids, full, 40, eos=[])[0] == full  # the check accepts it as it is

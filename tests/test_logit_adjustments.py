@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
+from greedy_reference import transformers_greedy
 from grpc_stream import StreamClient, make_inputs
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
 from tritonllm.guided.decoding import Guides
@@ -31,31 +33,29 @@ def test_repetition_penalty_matches_transformers_beside_unpenalized_rows(engine,
     params = [SamplingParams(max_tokens=MAX_NEW, repetition_penalty=rp) for _, rp in cases]
     outs = engine.generate(prompt_token_ids=[ids for ids, _ in cases], params=params)
     for (ids, rp), out in zip(cases, outs):
-        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, repetition_penalty=rp,
-                                eos_token_id=sorted(engine.eos_token_ids), pad_token_id=tokenizer.eos_token_id)
-        assert out.token_ids == ref[0, len(ids):].tolist(), (rp, tokenizer.decode(ids))
+        penalty = [RepetitionPenaltyLogitsProcessor(rp)] if rp != 1.0 else []
+        ref, _ = transformers_greedy(hf_model, ids, out.token_ids, MAX_NEW, eos=sorted(engine.eos_token_ids),
+                                     processors=penalty)
+        assert out.token_ids == ref, (rp, tokenizer.decode(ids))
     plain = [out.token_ids for (_, rp), out in zip(cases, outs) if rp == 1.0]
     penalized = [out.token_ids for (_, rp), out in zip(cases, outs) if rp == 1.3]
     assert plain != penalized  # the penalty changed something on these prompts
 
 
-def _reference(hf_model, ids: list[int], presence: float = 0.0, frequency: float = 0.0,
+def _reference(hf_model, ids: list[int], candidate: list[int], presence: float = 0.0, frequency: float = 0.0,
                bias: dict[int, float] | None = None) -> list[int]:
-    """Greedy decoding on transformers' logits with OpenAI's presence / frequency penalties and
-    logit_bias applied by hand."""
-    out: list[int] = []
-    past, step_input = None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(MAX_NEW):
-            result = hf_model(step_input, past_key_values=past, use_cache=True)
-            past, logits = result.past_key_values, result.logits[0, -1].float().clone()
-            for token in set(out):
-                logits[token] -= frequency * out.count(token) + presence
-            for token, value in (bias or {}).items():
-                logits[token] += value
-            out.append(int(logits.argmax()))
-            step_input = torch.tensor([[out[-1]]])
-    return out
+    """Greedy decoding on transformers' logits with OpenAI's presence / frequency penalties and logit_bias
+    applied by hand, no EOS stop (greedy_reference.py checks `candidate`)."""
+    def adjust(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = input_ids[0, len(ids):].tolist()
+        scores = scores.clone()
+        for token in set(out):
+            scores[0, token] -= frequency * out.count(token) + presence
+        for token, value in (bias or {}).items():
+            scores[0, token] += value
+        return scores
+
+    return transformers_greedy(hf_model, ids, candidate, MAX_NEW, eos=[], processors=[adjust])[0]
 
 
 @pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (0.0, 1.0), (0.5, 0.5), (-1.0, 0.0)])
@@ -65,7 +65,7 @@ def test_presence_and_frequency_penalties_match_a_reference_on_transformers_logi
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency)
     outs = engine.generate(prompt_token_ids=prompts, params=params)
     for ids, out in zip(prompts, outs):
-        assert out.token_ids == _reference(hf_model, ids, presence, frequency)
+        assert out.token_ids == _reference(hf_model, ids, out.token_ids, presence, frequency)
 
 
 def test_penalties_combine_with_sampling_and_log_probs(engine, tokenizer):
@@ -85,7 +85,7 @@ def test_logit_bias_matches_a_reference_on_transformers_logits_beside_an_unbiase
     biased, unbiased = engine.generate(prompt_token_ids=[ids, ids], params=[
         SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logit_bias=bias),
         SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)])
-    assert biased.token_ids == _reference(hf_model, ids, bias=bias)
+    assert biased.token_ids == _reference(hf_model, ids, biased.token_ids, bias=bias)
     assert biased.token_ids[0] != plain.token_ids[0] and unbiased.token_ids == plain.token_ids
 
 

@@ -163,8 +163,9 @@ _MIN_TOKENS_PROMPTS = ["What is 2+2?", "What is 12 times 12?", "Translate 'good 
 def test_min_tokens_keeps_eos_and_stop_ids_out_as_transformers_min_new_tokens(engine, hf_model, tokenizer, ignore_eos):
     """vLLM's and transformers' min_tokens: EOS and stop_token_ids cannot be generated before min_tokens
     tokens, ignore_eos or not (ignore_eos only lets a later EOS through as an ordinary token)."""
-    import torch
-    from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor
+    from transformers import MinNewTokensLengthLogitsProcessor
+
+    from greedy_reference import transformers_greedy
 
     max_new, min_new = 24, (24 if ignore_eos else 12)
     # A stop token id too: banned up to min_tokens like EOS; with ignore_eos it also ends the output.
@@ -179,15 +180,11 @@ def test_min_tokens_keeps_eos_and_stop_ids_out_as_transformers_min_new_tokens(en
     # The test means something only if greedy decoding wants EOS or the stop token before min_tokens.
     assert any(set(plain[:min_new - 1]) & {*eos, stop_id} for _, plain in cases)
     for ids, _ in cases:
-        banned = LogitsProcessorList([MinNewTokensLengthLogitsProcessor(len(ids), min_new, eos + [stop_id])])
-        # The attention mask given: else transformers masks the prompt's <|im_end|> as padding.
-        ref = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=max_new, do_sample=False, logits_processor=banned,
-                                eos_token_id=[stop_id] if ignore_eos else eos + [stop_id],
-                                pad_token_id=tokenizer.eos_token_id)
-        ref_ids = ref[0, len(ids):].tolist()
         [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(
             max_tokens=max_new, min_tokens=min_new, ignore_eos=ignore_eos, stop_token_ids=[stop_id]))
+        banned = MinNewTokensLengthLogitsProcessor(len(ids), min_new, eos + [stop_id])
+        ref_ids, _ = transformers_greedy(hf_model, ids, out.token_ids, max_new, processors=[banned],
+                                         eos=[stop_id] if ignore_eos else eos + [stop_id])
         assert out.token_ids == ref_ids
         assert len(out.token_ids) >= min_new
 
