@@ -65,6 +65,13 @@ def main() -> None:
         except OSError:
             pass
         sys.exit(1)
+    # Stopped cleanly: nothing is left to give back (the pool and the weights are this process's memory, and
+    # rank 0 starts no more collectives), so once the logs are written the interpreter's own teardown of
+    # torch, most of a second that rank 0's close would wait for, is skipped.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
