@@ -154,6 +154,20 @@ def test_weights_that_are_not_exactly_blocks_are_left_alone(kind, case):
     assert find_blocks(weight) is None
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
+def test_a_weight_solved_in_runs_of_rows_gives_the_same_blocks_and_a_bad_last_run_rejects_it(kind, monkeypatch):
+    from tritonllm.devices.cpu import exact_blocks
+
+    weight = MAKERS[kind](200, 128, seed=4)
+    whole = find_blocks(weight)
+    monkeypatch.setattr(exact_blocks, "_CHUNK_BYTES", 30 * 128 * 4)  # runs of 30 rows: the last one short
+    in_runs = find_blocks(weight)
+    for a, b in zip(whole, in_runs):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    weight[195, 7] = torch.nextafter(weight[195, 7], torch.tensor(1.0))  # in the last run only
+    assert find_blocks(weight) is None
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 def test_a_non_finite_value_past_the_sample_rows_is_not_taken_for_blocks(kind, value):

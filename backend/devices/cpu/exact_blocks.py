@@ -18,6 +18,7 @@ import torch
 
 BLOCK = 32
 _SAMPLE_ROWS = 64  # checked first, so a weight that is not such blocks (most are not) is rejected cheaply
+_CHUNK_BYTES = 2 << 20  # rows solved at a time (_solve_by_rows)
 
 
 Blocks = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]  # q, d (None: bfloat16), m (None: Q8_0, bfloat16)
@@ -33,10 +34,25 @@ def find_blocks(weight: torch.Tensor) -> Blocks | None:
     for solve in (_solve_q4, _solve_q8, _solve_bf16):  # the most compact form first
         if weight.shape[0] > _SAMPLE_ROWS and solve(weight[:_SAMPLE_ROWS]) is None:
             continue
-        found = solve(weight)
+        found = _solve_by_rows(solve, weight)
         if found is not None:
             return found
     return None
+
+
+def _solve_by_rows(solve, weight: torch.Tensor) -> Blocks | None:
+    """`solve` over runs of rows of about _CHUNK_BYTES (each block is solved on its own, so the result is
+    the same): the dozen passes a solve makes over its rows then read and write temporaries the caches hold."""
+    rows = max(1, _CHUNK_BYTES // (weight.shape[1] * weight.element_size()))
+    if weight.shape[0] <= rows:
+        return solve(weight)
+    parts = []
+    for start in range(0, weight.shape[0], rows):
+        part = solve(weight[start:start + rows])
+        if part is None:
+            return None
+        parts.append(part)
+    return tuple(None if parts[0][i] is None else torch.cat([part[i] for part in parts]) for i in range(3))
 
 
 def _solve_bf16(weight: torch.Tensor) -> Blocks | None:
