@@ -61,7 +61,9 @@ class GreedyScreen:
         self.weight = weight.detach().contiguous()
         self.vocab_size, self.in_features = self.weight.shape
         self.packed = cpu_kernels.pack_gemm_weight_bf16(self.weight)
-        norms = self.weight.double().norm(dim=1) * error_bound_factor(self.in_features)
+        run = max(1, (2 << 20) // (4 * self.in_features))  # rows at a time: no float64 copy of the whole head
+        norms = torch.cat([rows.double().norm(dim=1) for rows in self.weight.split(run)])
+        norms = norms * error_bound_factor(self.in_features)
         # Rounded up to float32, so no bound comes out smaller than its real value.
         self.col_bounds = _rounded_up(norms)
 
@@ -91,23 +93,31 @@ class Int8GreedyScreen:
         self.weight = weight.detach().contiguous()
         self.vocab_size, self.in_features = self.weight.shape
         blocks = self.in_features // _BLOCK
-        w = self.weight.view(self.vocab_size, blocks, _BLOCK)
-        magnitude = w.abs()
-        d = magnitude.amax(dim=2) / 127  # the float32 scale the kernel multiplies by
-        scale = d.unsqueeze(2)
-        # Any q is right: its residual is measured below.
-        q = torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-127, 127)
-        # In float32: its roundings are in int8_bound_factors. The sums in float64.
-        residual = (w - scale * q).abs_().sum(dim=2, dtype=torch.float64)
         self.steps = steps or cpu_kernels.int8_screen_steps()
         a, e = int8_bound_factors(self.in_features, self.steps)
-        c = magnitude.sum(dim=2, dtype=torch.float64) * a + residual * e
         padded = -(-self.vocab_size // (2 * _GROUP)) * (2 * _GROUP)  # whole tiles of 32 tokens
         codes = torch.zeros(padded, self.in_features, dtype=torch.int8)
-        codes[:self.vocab_size] = q.view(self.vocab_size, self.in_features)
+        d = torch.empty(self.vocab_size, blocks)
+        negq = torch.empty(self.vocab_size, blocks, dtype=torch.int32)
+        c = torch.empty(self.vocab_size, blocks, dtype=torch.float64)
+        # Token by token, in runs of about 2 MB of the head: each pass's temporaries stay in cache.
+        run = max(1, (2 << 20) // (4 * self.in_features))
+        for start in range(0, self.vocab_size, run):
+            end = min(start + run, self.vocab_size)
+            w = self.weight[start:end].view(end - start, blocks, _BLOCK)
+            magnitude = w.abs()
+            d[start:end] = magnitude.amax(dim=2) / 127  # the float32 scale the kernel multiplies by
+            scale = d[start:end].unsqueeze(2)
+            # Any q is right: its residual is measured below.
+            q = torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-127, 127)
+            # In float32: its roundings are in int8_bound_factors. The sums in float64.
+            residual = (w - scale * q).abs_().sum(dim=2, dtype=torch.float64)
+            c[start:end] = magnitude.sum(dim=2, dtype=torch.float64) * a + residual * e
+            codes[start:end] = q.view(end - start, self.in_features)
+            negq[start:end] = -128 * q.sum(dim=2)
         self.codes = codes.view(padded // _GROUP, _GROUP, self.in_features // 4, 4).permute(0, 2, 1, 3).contiguous()
         self.d = _by_group(d, padded)
-        self.negq = _by_group((-128 * q.sum(dim=2)).to(torch.int32), padded)
+        self.negq = _by_group(negq, padded)
         self.c = _by_group(_rounded_up(c), padded)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
