@@ -27,7 +27,8 @@ def transformers_greedy(model, prompt: list[int], candidate: list[int], max_new_
     if 0 < len(new) <= max_new_tokens:
         sequence = torch.tensor([prompt + new])
         with torch.no_grad():
-            logits = model(sequence).logits[0, len(prompt) - 1:len(prompt) + len(new) - 1].float()
+            # The LM head on the positions that choose the candidate's tokens only (and the last, dropped).
+            logits = model(sequence, logits_to_keep=len(new) + 1).logits[0, :-1].float()
         logits[:min_new_tokens, eos] = float("-inf")  # as transformers' MinNewTokensLengthLogitsProcessor
         for i in range(len(new) if processors else 0):
             for processor in processors:
