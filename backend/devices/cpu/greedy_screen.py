@@ -34,6 +34,7 @@ _BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bfloat16 keeps 8 significant bits, rounded to
 _FP32_UNIT_ROUNDOFF = 2.0 ** -24
 _BLOCK = 32  # the 8-bit screen: values along K per scale
 _GROUP = 16  # ... and tokens per zmm of int32 lanes
+_RUN_BYTES = 2 << 20  # the head's rows worked on at a time at build (_rows_per_run)
 
 
 def error_bound_factor(in_features: int) -> float:
@@ -61,8 +62,8 @@ class GreedyScreen:
         self.weight = weight.detach().contiguous()
         self.vocab_size, self.in_features = self.weight.shape
         self.packed = cpu_kernels.pack_gemm_weight_bf16(self.weight)
-        run = max(1, (2 << 20) // (4 * self.in_features))  # rows at a time: no float64 copy of the whole head
-        norms = torch.cat([rows.double().norm(dim=1) for rows in self.weight.split(run)])
+        # A run of rows at a time: no float64 copy of the whole head.
+        norms = torch.cat([rows.double().norm(dim=1) for rows in self.weight.split(_rows_per_run(self.in_features))])
         norms = norms * error_bound_factor(self.in_features)
         # Rounded up to float32, so no bound comes out smaller than its real value.
         self.col_bounds = _rounded_up(norms)
@@ -100,8 +101,8 @@ class Int8GreedyScreen:
         d = torch.empty(self.vocab_size, blocks)
         negq = torch.empty(self.vocab_size, blocks, dtype=torch.int32)
         c = torch.empty(self.vocab_size, blocks, dtype=torch.float64)
-        # Token by token, in runs of about 2 MB of the head: each pass's temporaries stay in cache.
-        run = max(1, (2 << 20) // (4 * self.in_features))
+        # In runs of tokens: each pass's temporaries stay in cache.
+        run = _rows_per_run(self.in_features)
         for start in range(0, self.vocab_size, run):
             end = min(start + run, self.vocab_size)
             w = self.weight[start:end].view(end - start, blocks, _BLOCK)
@@ -145,6 +146,11 @@ def int8_bound_factors(in_features: int, steps: int = 127) -> tuple[float, float
     a = 0.5 + steps * 8 * u + steps * 2 * u + steps * (1 + u) * gamma_k + steps * gamma_b
     e = steps * (1 + 4 * u) + steps * gamma_b
     return a * 1.01, e * 1.01
+
+
+def _rows_per_run(in_features: int) -> int:
+    """Rows of a float32 [vocab, in_features] head in about _RUN_BYTES."""
+    return max(1, _RUN_BYTES // (4 * in_features))
 
 
 def _rounded_up(values: torch.Tensor) -> torch.Tensor:
