@@ -2,6 +2,7 @@
 
 A model's stub process killed mid-stream, a burst cut by a kill, a tensor-parallel worker killed
 mid-stream, a model whose reload keeps failing, and shutdowns (SIGTERM drain, SIGINT with a dead stub).
+First, with nothing killed: requests' errors on streams, each the way its client asked for them.
 Each checks what the supervisor promises (docs/OPERATIONS.md): the death is seen within 5 s; every
 request in flight gets exactly one terminal event, an error naming the death, within 10 s; readiness
 is false until the model is back; the model is reloaded by itself; minilm, beside it, is untouched.
@@ -12,12 +13,18 @@ on purpose, and a reload is a full model load.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import re
 import signal
 import time
 
+import grpc
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
 
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
 from supervised import (FAST, EmbeddingTraffic, StreamProbe, Supervised, embed, generate_inputs, get, make_repository,
@@ -72,6 +79,60 @@ def _serves(server, max_tokens: int = 4) -> None:
         assert p.error is None and p.finals == 1 and p.responses >= 1, p.errors
     finally:
         p.close()
+
+
+def _stream_error(url: str, sampling: dict, headers: dict | None = None, parameters: dict | None = None,
+                  clients: int = 1, each: int = 1) -> list[str]:
+    """`clients` tritonclient streams at once, each sending `each` requests one after another: per request,
+    "status CODE: details" (the stream ended with an error status), "in stream: message" or "final"."""
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Hello"], dtype=object))
+    params = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+    params.set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=object))
+
+    async def one(client) -> str:
+        ended = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": "smollm2", "inputs": [text, params], "parameters": parameters}
+            await ended.wait()
+
+        try:
+            async for result, error in client.stream_infer(requests(), headers=headers):
+                if error is not None:
+                    return f"in stream: {error.message()}"
+                final = result.get_response().parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    return "final"
+            return "ended without a final response"
+        except grpc.aio.AioRpcError as exc:
+            return f"status {exc.code().name}: {exc.details()}"
+        finally:
+            ended.set()
+
+    async def run() -> list[str]:
+        async with grpcaio.InferenceServerClient(url) as client:
+            async def serial() -> list[str]:
+                return [await asyncio.wait_for(one(client), 60) for _ in range(each)]
+            return [o for outcomes in await asyncio.gather(*(serial() for _ in range(clients))) for o in outcomes]
+
+    return asyncio.run(run())
+
+
+def test_request_errors_on_streams_come_as_each_client_asked_and_many_crash_nothing(served):
+    server = served.server_pid()
+    bad = {"temperature": 500}
+    why = "temperature must be a number in [0.0, 100.0], got 500.0"
+    assert _stream_error(served.grpc_url, bad) == [f"in stream: {why}"]  # Triton's default
+    assert _stream_error(served.grpc_url, bad, parameters={"error_kind_in_message": True}) == [
+        f"in stream: [invalid_argument] {why}"]
+    # triton_grpc_error: the front ends the stream with the error's status itself (tritonserver 2.51 crashes on
+    # that header when such streams end at once), here 16 streams at once, 12 errors each, as a burst of bad
+    # requests would; a request without error is answered as usual.
+    assert _stream_error(served.grpc_url, bad, {"triton_grpc_error": "true"}, clients=16, each=12) == [
+        f"status INVALID_ARGUMENT: {why}"] * 192
+    assert _stream_error(served.grpc_url, {"max_tokens": 2}, {"triton_grpc_error": "true"}) == ["final"]
+    assert served.server_pid() == server and "Signal (" not in served.log_text()
 
 
 def test_a_killed_stub_ends_its_requests_at_once_and_the_model_comes_back(served):

@@ -26,17 +26,19 @@ from tritonclient.utils import InferenceServerException
 from tritonllm.core.multi_lora import read_multi_lora
 from tritonllm.core.parameters import ConfigError
 from tritonllm.openai.protocol import OpenAIError
+from tritonllm.serving.error_kinds import KIND_PARAMETER, split_kind
 
 K = TypeVar("K")
 V = TypeVar("V")
 
 logger = logging.getLogger("tritonllm.openai")
 
-# Triton (24.08 and later) then ends a stream whose request failed with the error's gRPC status code
-# instead of an error message inside the stream, so INVALID_ARG and UNAVAILABLE can be told apart.
-_STREAM_HEADERS = {"triton_grpc_error": "true"}
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
                 grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.RESOURCE_EXHAUSTED: 503}
+# A request's error comes as a message inside its stream; our models begin it with its kind when the
+# request asks (serving/error_kinds.py: the header that would make it the stream's status crashes
+# tritonserver 2.51). A message without a kind is tritonserver's own, or another model's.
+_KIND_STATUS = {"invalid_argument": 400, "unavailable": 503, "internal": 500}
 _CODES = {400: "invalid_request", 404: "model_not_found", 503: "unavailable", 500: "internal_error"}
 _DRAIN_S = 5.0  # after the final response, how long the stream's clean end is waited for
 
@@ -132,6 +134,13 @@ def parse_output(result) -> TritonOutput:
 def error_from_grpc(exc: grpc.aio.AioRpcError) -> OpenAIError:
     status = _HTTP_STATUS.get(exc.code(), 500)
     return OpenAIError(status, exc.details() or str(exc.code()), _CODES[status])
+
+
+def error_in_stream(message: str) -> OpenAIError:
+    """The OpenAI error of a request's error message inside its stream."""
+    kind, message = split_kind(message)
+    status = _KIND_STATUS.get(kind, 500)
+    return OpenAIError(status, message, _CODES[status])
 
 
 @dataclass
@@ -301,19 +310,20 @@ class TritonBackend:
         inputs = request.build()
 
         async def requests():
-            yield {"model_name": request.model.triton_model, "inputs": inputs, "request_id": request.request_id}
+            yield {"model_name": request.model.triton_model, "inputs": inputs, "request_id": request.request_id,
+                   "parameters": {KIND_PARAMETER: True}}
             # The stream stays open until the final response: half-closing then ends it cleanly, where
             # cancelling a finished stream can leave tritonserver 2.51 unable to unload the model
             # (docs/CLIENT.md).
             await ended.wait()
 
-        call = self.client.stream_infer(requests(), headers=_STREAM_HEADERS)
+        call = self.client.stream_infer(requests())
         finished = False
         try:
             async for result, error in call:
-                if error is not None:  # a server that ignores the header sends the message in the stream
+                if error is not None:
                     finished = True
-                    raise OpenAIError(500, error.message(), "internal_error")
+                    raise error_in_stream(error.message())
                 out = parse_output(result)
                 if out.final:
                     finished = True

@@ -35,6 +35,7 @@ from tritonllm.core.sampling_params import InvalidRequestError
 from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
 from tritonllm.embeddings.request import EmbeddingOutput
 from tritonllm.serving import orphan_guard
+from tritonllm.serving.error_kinds import KIND_OF_ERROR
 from tritonllm.serving.instance_config import config_from_triton
 from tritonllm.serving.model_io import EMBEDDING_INPUTS, complete_config, embedding_outputs, missing_inputs_error
 from tritonllm.serving.request_parsing import MAX_TEXT_BYTES, _bool, _scalar, _text
@@ -42,8 +43,6 @@ from tritonllm.serving.request_parsing import MAX_TEXT_BYTES, _bool, _scalar, _t
 logger = logging.getLogger("tritonllm")
 
 _CANCEL_CHECK_S = 0.05
-_ERROR_KINDS = {"InvalidRequestError": "invalid_argument", "QueueFullError": "unavailable",
-                "EngineDeadError": "unavailable", "InternalError": "internal"}
 
 
 def embedding_config_from_triton(args: dict, model_config: dict) -> EmbeddingConfig:
@@ -143,7 +142,7 @@ class TritonPythonModel:
                     self._active.pop(request_id, None)
                     raise
             except Exception as exc:  # noqa: BLE001 - one bad request never stops the others
-                kind = _ERROR_KINDS.get(type(exc).__name__, "internal")
+                kind = KIND_OF_ERROR.get(type(exc).__name__, "internal")
                 if kind == "internal":
                     logger.exception("embedding request failed")
                 self._send_error(sender, str(exc) if kind != "internal" else f"internal error: {exc}", kind)
@@ -168,7 +167,7 @@ class TritonPythonModel:
 
     def _respond(self, sender, out: EmbeddingOutput) -> None:
         if out.error is not None:
-            self._send_error(sender, out.error, _ERROR_KINDS.get(out.error_kind, "internal"))
+            self._send_error(sender, out.error, KIND_OF_ERROR.get(out.error_kind, "internal"))
             return
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("embedding", out.embeddings)])
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -31,6 +31,7 @@ from tritonllm.core.outputs import RequestOutput
 from tritonllm.core.parameters import ConfigError
 from tritonllm.core.sampling_params import InvalidRequestError
 from tritonllm.serving import engine_health, orphan_guard
+from tritonllm.serving.error_kinds import KIND_OF_ERROR, asks_for_kind, with_kind
 from tritonllm.serving.instance_config import config_from_triton
 from tritonllm.serving.metrics import EngineMetrics
 from tritonllm.serving.model_io import GENERATE_INPUTS, GENERATE_OUTPUTS, complete_config, missing_inputs_error
@@ -42,8 +43,6 @@ logger = logging.getLogger("tritonllm")
 
 _CANCEL_CHECK_S = 0.2  # is_cancelled() is a round trip to the server: a step or so is soon enough
 _METRICS_REFRESH_S = 0.5
-_ERROR_KINDS = {"InvalidRequestError": "invalid_argument", "QueueFullError": "unavailable",
-                "EngineDeadError": "unavailable"}
 
 
 def engine_config_from_triton(args: dict, model_config: dict) -> EngineConfig:
@@ -80,11 +79,14 @@ def _response_parameters_supported() -> bool:
 class _Active:
     """A request the response thread is serving."""
 
-    __slots__ = ("request_id", "sender", "assembler", "lane", "cancelled", "lock", "send_queued", "closed")
+    __slots__ = ("request_id", "sender", "assembler", "lane", "cancelled", "lock", "send_queued", "closed",
+                 "error_kind_in_message")
 
-    def __init__(self, request_id: str, sender, assembler: ResponseAssembler, lane: int):
+    def __init__(self, request_id: str, sender, assembler: ResponseAssembler, lane: int,
+                 error_kind_in_message: bool = False):
         self.request_id = request_id
         self.sender = sender
+        self.error_kind_in_message = error_kind_in_message  # its error, if any, begins with "[kind] " (error_kinds.py)
         self.assembler = assembler
         self.lane = lane  # every response of this request leaves through this lane (response_lanes.py)
         self.cancelled = False  # not streaming: aborted, its final response (what it had) on the way
@@ -173,26 +175,28 @@ class TritonPythonModel:
     def execute(self, requests) -> None:
         for request in requests:
             sender = request.get_response_sender()
+            parameters = request.parameters()
+            tagged = asks_for_kind(parameters)
             try:
-                self._submit(request, sender)
+                self._submit(request, parameters, sender, tagged)
             except InvalidRequestError as exc:
-                self._send_error(sender, str(exc), "invalid_argument")
+                self._send_error(sender, str(exc), "invalid_argument", tagged=tagged)
             except (QueueFullError, EngineDeadError) as exc:
-                self._send_error(sender, str(exc), "unavailable")
+                self._send_error(sender, str(exc), "unavailable", tagged=tagged)
             except Exception as exc:  # noqa: BLE001 - one bad request never stops the others
                 logger.exception("request failed")
-                self._send_error(sender, f"internal error: {exc}", "internal")
+                self._send_error(sender, f"internal error: {exc}", "internal", tagged=tagged)
         return None
 
-    def _submit(self, request, sender) -> None:
+    def _submit(self, request, parameters: str, sender, tagged: bool) -> None:
         inputs = {}
         for spec in GENERATE_INPUTS:
             tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
             if tensor is not None:
                 inputs[spec.name] = tensor.as_numpy()
-        parsed = parse_request(inputs, request.parameters(), self.engine.lora_names)
+        parsed = parse_request(inputs, parameters, self.engine.lora_names)
         assembler = ResponseAssembler(parsed, self.engine.tokenizer.decode, self.engine.config.scheduler.stream_interval)
-        active = _Active(uuid.uuid4().hex, sender, assembler, self._lanes.lane())
+        active = _Active(uuid.uuid4().hex, sender, assembler, self._lanes.lane(), tagged)
         # Registered before submitting: the first output may arrive before submit() returns.
         self._active[active.request_id] = active
         try:
@@ -260,7 +264,8 @@ class TritonPythonModel:
             self._pending.pop(active.request_id, None)
             if active.assembler.parsed.params.n > 1:
                 self.loop.abort(active.request_id)  # its other completions: nobody will hear them
-            self._send_error(active.sender, out.error, _ERROR_KINDS.get(out.error_kind, "unavailable"), active.lane)
+            self._send_error(active.sender, out.error, KIND_OF_ERROR.get(out.error_kind, "unavailable"), active.lane,
+                             active.error_kind_in_message)
             return
         assembler = active.assembler
         with active.lock:
@@ -349,14 +354,15 @@ class TritonPythonModel:
             self._lanes.send(active.lane, active.sender, response, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                              on_failure=lambda _: None)
 
-    def _send_error(self, sender, message: str, kind: str, lane: int = -1) -> None:
+    def _send_error(self, sender, message: str, kind: str, lane: int = -1, tagged: bool = False) -> None:
         """A FINAL response carrying the error; kind: invalid_argument | unavailable | internal.
-        `lane`: the request's lane, after its responses already on the way (-1: at once)."""
+        `lane`: the request's lane, after its responses already on the way (-1: at once). `tagged`: the
+        request asked for the kind in the message (error_kinds.py)."""
         if self.metrics is not None:
             self.metrics.record_error(kind)
         code = {"invalid_argument": pb_utils.TritonError.INVALID_ARG, "unavailable": pb_utils.TritonError.UNAVAILABLE,
                 "internal": pb_utils.TritonError.INTERNAL}[kind]
-        error = pb_utils.TritonError(message, code)
+        error = pb_utils.TritonError(with_kind(kind, message) if tagged else message, code)
         self._lanes.send(lane, sender, pb_utils.InferenceResponse(output_tensors=[], error=error),
                          pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tritonllm.core.sampling_params import BOOL_PARAMETERS, FLOAT_PARAMETERS, InvalidRequestError, SamplingParams
+from tritonllm.serving.error_kinds import KIND_PARAMETER
 from tritonllm.serving.model_io import GENERATE_FLAGS, GENERATE_INPUTS
 
 MAX_TEXT_BYTES = 1 << 20  # bounded request size: a prompt beyond 1 MiB is refused outright
@@ -20,7 +21,8 @@ MAX_TEXT_BYTES = 1 << 20  # bounded request size: a prompt beyond 1 MiB is refus
 _FLAGS = GENERATE_FLAGS
 # A request parameter named like an input is never a sampling parameter (the flags among them count as
 # flags): the HTTP generate endpoint passes a key as a parameter where the config declares no such input.
-_NON_SAMPLING_PARAMETERS = {spec.name for spec in GENERATE_INPUTS}
+# Nor is the one asking for errors' kinds in their messages (error_kinds.py).
+_NON_SAMPLING_PARAMETERS = {spec.name for spec in GENERATE_INPUTS} | {KIND_PARAMETER}
 # Request parameters are scalars: these come as their JSON text, a list or an object.
 _JSON_TEXT_PARAMETERS = {"stop": "[", "logit_bias": "{", "guided_decoding": "{", "structured_outputs": "{"}
 

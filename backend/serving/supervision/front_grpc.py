@@ -13,7 +13,8 @@ import contextlib
 import grpc
 from tritonclient.grpc import service_pb2
 
-from tritonllm.serving.supervision.stream_tracking import TrackedStream, stream_error
+from tritonllm.serving.error_kinds import KIND_PARAMETER, with_kind
+from tritonllm.serving.supervision.stream_tracking import STATUS_HEADER, TrackedStream, stream_error
 
 SERVICE = "/inference.GRPCInferenceService/"
 UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
@@ -23,6 +24,11 @@ def _forwarded_metadata(context) -> tuple:
     # grpc-* and pseudo headers belong to the connection, not to the call.
     return tuple((k, v) for k, v in (context.invocation_metadata() or ())
                  if not k.startswith(("grpc-", ":")) and k not in ("user-agent", "content-type", "te"))
+
+
+def _asks_for_kind(request: service_pb2.ModelInferRequest) -> bool:
+    parameter = request.parameters.get(KIND_PARAMETER)
+    return parameter is not None and parameter.WhichOneof("parameter_choice") == "bool_param" and parameter.bool_param
 
 
 class GrpcFront(grpc.GenericRpcHandler):
@@ -104,9 +110,10 @@ class GrpcFront(grpc.GenericRpcHandler):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting; retry later")
         out: asyncio.Queue = asyncio.Queue()
         metadata = _forwarded_metadata(context)
-        # A client that sets triton_grpc_error takes errors as the stream's gRPC status (tritonserver then ends
-        # the stream at the first error), not as error messages inside it: the front answers it the same way.
-        stream = TrackedStream(self.front.inflight, out, status_errors=("triton_grpc_error", "true") in metadata)
+        # A client that sets triton_grpc_error takes errors as the stream's gRPC status, not as error messages
+        # inside it: the front answers it so, and never passes the header on (stream_tracking.py).
+        stream = TrackedStream(self.front.inflight, out, status_errors=STATUS_HEADER in metadata)
+        metadata = tuple(pair for pair in metadata if pair[0] != STATUS_HEADER[0])
         wake = None
         calls: set = set()  # upstream streams not yet ended
         state: dict = {"current": None, "client_done": False}
@@ -158,11 +165,16 @@ class GrpcFront(grpc.GenericRpcHandler):
                     if refusal is not None and stream.status_errors:
                         stream.abort = stream.abort or (grpc.StatusCode.UNAVAILABLE, refusal)
                         return
+                    tagged = _asks_for_kind(request)
                     if refusal is not None:
-                        out.put_nowait(stream_error(request.model_name, request.id, refusal))
+                        out.put_nowait(stream_error(request.model_name, request.id,
+                                                    with_kind("unavailable", refusal) if tagged else refusal))
                         continue
+                    if stream.status_errors and not tagged:  # the kind of an error decides the stream's status
+                        request.parameters[KIND_PARAMETER].bool_param = True
+                        raw = request.SerializeToString()
                     call = upstream()
-                    stream.track(request.model_name, request.id)  # before any await: busy, never retired first
+                    stream.track(request.model_name, request.id, tagged)  # before any await: busy, never retired first
                     try:
                         await call.write(raw)
                     except Exception:  # noqa: BLE001 - it broke: pump_responses ends what it held

@@ -5,6 +5,12 @@ A stream request is tracked from the moment it is forwarded until its final resp
 of a decoupled model carries `triton_final_response`; one without it is a non-decoupled model's only
 response) or its error. Give each request on a stream an id when several share one: responses are
 matched to requests by (model, id).
+
+A client that sets `triton_grpc_error: true` takes a request's error as the stream's gRPC status. The
+front answers it so itself and never forwards the header, whose handling crashes tritonserver 2.51
+(serving/error_kinds.py): it asks our models for the error's kind in the message instead, and ends the
+stream with that kind's status. An error without a kind (tritonserver's own, such as an unknown model,
+or another backend's) stays a message inside the stream.
 """
 
 from __future__ import annotations
@@ -14,7 +20,12 @@ import asyncio
 import grpc
 from tritonclient.grpc import service_pb2
 
+from tritonllm.serving.error_kinds import split_kind, with_kind
 from tritonllm.serving.supervision.inflight import Entry, Inflight
+
+STATUS_HEADER = ("triton_grpc_error", "true")
+_STATUS_OF_KIND = {"invalid_argument": grpc.StatusCode.INVALID_ARGUMENT, "unavailable": grpc.StatusCode.UNAVAILABLE,
+                   "internal": grpc.StatusCode.INTERNAL}
 
 
 def stream_error(model: str, request_id: str, message: str) -> bytes:
@@ -41,7 +52,8 @@ class TrackedStream:
         # The front ended a request that tritonserver still holds: the upstream stream cannot end by itself.
         self.abandoned = False
 
-    def track(self, model: str, request_id: str) -> None:
+    def track(self, model: str, request_id: str, tagged: bool = False) -> None:
+        """`tagged`: the request asked for errors' kinds in their messages (error_kinds.py)."""
         key = (model, request_id)
         entry = self.inflight.add(model)
 
@@ -56,7 +68,7 @@ class TrackedStream:
                 self.abort = self.abort or (grpc.StatusCode.UNAVAILABLE, message)
                 self.out.put_nowait(None)
             else:
-                self.out.put_nowait(stream_error(model, request_id, message))
+                self.out.put_nowait(stream_error(model, request_id, with_kind("unavailable", message) if tagged else message))
 
         entry.fail = fail
         self.live.setdefault(key, []).append(entry)
@@ -85,6 +97,11 @@ class TrackedStream:
             if not entries:
                 self.live.pop(key, None)
             self.inflight.discard(entry)
+        if self.status_errors and response.error_message:
+            kind, message = split_kind(response.error_message)
+            if kind is not None:  # our model's error: the stream's status, as tritonserver would for this client
+                self.abort = self.abort or (_STATUS_OF_KIND[kind], message)
+                return False
         return True
 
     def fail_all(self, message: str, cause: str) -> None:
