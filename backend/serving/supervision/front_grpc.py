@@ -31,6 +31,13 @@ def _asks_for_kind(request: service_pb2.ModelInferRequest) -> bool:
     return parameter is not None and parameter.WhichOneof("parameter_choice") == "bool_param" and parameter.bool_param
 
 
+def _takes_kind_parameter(request: service_pb2.ModelInferRequest) -> bool:
+    """Whether the front may add KIND_PARAMETER to a request: one whose sampling parameters come as the
+    `sampling_parameters` tensor. Our models take it from any request; Triton's vLLM backend takes a
+    request's parameters for sampling parameters where that tensor is missing, and would refuse it."""
+    return any(tensor.name == "sampling_parameters" for tensor in request.inputs)
+
+
 class GrpcFront(grpc.GenericRpcHandler):
     def __init__(self, front):
         self.front = front  # the Front: its channel to tritonserver, requests in flight, decisions
@@ -170,8 +177,8 @@ class GrpcFront(grpc.GenericRpcHandler):
                         out.put_nowait(stream_error(request.model_name, request.id,
                                                     with_kind("unavailable", refusal) if tagged else refusal))
                         continue
-                    if stream.status_errors and not tagged:  # the kind of an error decides the stream's status
-                        request.parameters[KIND_PARAMETER].bool_param = True
+                    if stream.status_errors and not tagged and _takes_kind_parameter(request):
+                        request.parameters[KIND_PARAMETER].bool_param = True  # the kind decides the stream's status
                         raw = request.SerializeToString()
                     call = upstream()
                     stream.track(request.model_name, request.id, tagged)  # before any await: busy, never retired first

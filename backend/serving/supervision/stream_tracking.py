@@ -8,9 +8,10 @@ matched to requests by (model, id).
 
 A client that sets `triton_grpc_error: true` takes a request's error as the stream's gRPC status. The
 front answers it so itself and never forwards the header, whose handling crashes tritonserver 2.51
-(serving/error_kinds.py): it asks our models for the error's kind in the message instead, and ends the
-stream with that kind's status. An error without a kind (tritonserver's own, such as an unknown model,
-or another backend's) stays a message inside the stream.
+(serving/error_kinds.py): it asks the model for the error's kind in the message instead (requests that
+carry a `sampling_parameters` tensor: front_grpc.py), and ends the stream with that kind's status. An
+error without a kind (tritonserver's own, such as an unknown model, or another backend's) stays a
+message inside the stream.
 """
 
 from __future__ import annotations
