@@ -143,7 +143,7 @@ def test_a_guides_tokens_meet_allowed_token_ids_and_win_when_they_share_none(tok
     a, c = tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("c")
     a_or_b = {i for i in range(model_vocab) if set(tokenizer.decode([i]) or "-") <= {"a", "b"}}
     assert a in a_or_b and c not in a_or_b
-    for explicit, allowed in (([], a_or_b), ([a, c, model_vocab - 1], {a}), ([c], a_or_b)):
+    for explicit, allowed in ((None, a_or_b), ([a, c, model_vocab - 1], {a}), ([c], a_or_b)):
         seq = Sequence("g", [7], SamplingParams(allowed_token_ids=explicit, guided_decoding=guided))
         seq.guided = guide.start()  # what the engine gives such a request
         adjustments = LogitAdjustments.build([ScheduledSeq(seq, 1)], model_vocab, torch.device("cpu"))
@@ -173,6 +173,7 @@ def test_logit_bias_token_beyond_the_vocabulary_is_refused(engine):
     ({"bad_words": [3]}, "bad_words"),
     ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"allowed_token_ids": "1,2"}, "allowed_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ({"min_p": 1.5}, "min_p"),
     ({"min_p": -0.1}, "min_p"),

@@ -367,6 +367,41 @@ def test_limits_and_roles_get_vllms_400s(client, hf_tokenizer):
     assert chat.choices[0].finish_reason == "stop"
 
 
+def _post(served: Served, path: str, body: dict | None, method: str = "POST") -> tuple[int, dict]:
+    request = urllib.request.Request(f"{served.base}{path}", method=method, headers={"Content-Type": "application/json"},
+                                     data=None if body is None else json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_front_refuses_what_it_would_build_too_much_for_and_takes_nulls_as_unset(served):
+    hi = [{"role": "user", "content": "hi"}]
+    started = time.monotonic()
+    status, body = _post(served, "/v1/chat/completions", {"model": MODEL, "messages": hi, "n": 10**12})
+    assert status == 400 and body["error"]["param"] == "n" and "n must be at most 64" in body["error"]["message"], body
+    assert time.monotonic() - started < 5  # refused before a choice is built for each
+    assert _post(served, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0})[1]["error"]["param"] == "n"
+    status, body = _post(served, "/v1/completions", {"model": MODEL, "prompt": ["hi"] * 2000, "n": 10, "max_tokens": 1})
+    assert status == 400 and "20000 completions; at most 16384" in body["error"]["message"], body
+    status, body = _post(served, "/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}})
+    assert status == 400 and body["error"]["param"] == "stream_options", body
+    # Explicit nulls (what OpenAI's clients send for unset fields) are the fields' defaults.
+    status, body = _post(served, "/v1/chat/completions", {"model": MODEL, "messages": hi, "max_tokens": 2, "n": None,
+                                                          "stream": None, "logprobs": None, "temperature": None})
+    assert status == 200 and len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None, body
+    # An assistant's refusal part in the history is its text.
+    history = [*hi, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]}, *hi]
+    assert _post(served, "/v1/chat/completions", {"model": MODEL, "messages": history, "max_tokens": 2})[0] == 200
+    # Unknown paths and methods answer in OpenAI's error shape too.
+    status, body = _post(served, "/v1/chat/completions", None, method="GET")
+    assert status == 405 and body["error"]["code"] == "method_not_allowed", body
+    status, body = _post(served, "/v1/responses", {"model": MODEL})
+    assert status == 404 and body["error"]["message"].startswith("POST /v1/responses"), body
+
+
 def _repository_state(served: Served, name: str) -> str:
     # Over gRPC: tritonserver's HTTP threads each serve their connections, and the one blocked in the load
     # request holds up any other request that lands on it.

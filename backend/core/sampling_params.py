@@ -44,7 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI's)
-    allowed_token_ids: list[int] = field(default_factory=list)  # when set, only these can be chosen (vLLM's)
+    allowed_token_ids: list[int] | None = None  # when set, only these can be chosen (vLLM's)
     bad_words: list[str] = field(default_factory=list)  # never generated (vLLM's: a word's last token is
     # banned where the output so far ends with the rest of it, the word with and without a leading space)
     seed: int | None = None  # -1, as vLLM reads it: none
@@ -141,10 +141,12 @@ class SamplingParams:
         ):
             raise InvalidRequestError("logit_bias must map token ids (non-negative integers) to numbers in "
                                       f"[{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {self.logit_bias!r}")
-        if not isinstance(self.allowed_token_ids, list) or not all(
+        if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids
-        ):
+        )):
             raise InvalidRequestError(f"allowed_token_ids must be a list of non-negative integers, got {self.allowed_token_ids!r}")
+        if self.allowed_token_ids == []:  # as vLLM: no token could be chosen
+            raise InvalidRequestError("allowed_token_ids must not be empty: it would allow no token")
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):

@@ -258,7 +258,7 @@ class Engine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is "
                                       f"{self.max_model_len} (prompt plus at least one generated token)")
-        if any(t >= vocab for t in params.allowed_token_ids):
+        if any(t >= vocab for t in params.allowed_token_ids or ()):
             raise InvalidRequestError(f"allowed_token_ids must be below the vocabulary size {vocab}")
         if request_id is None:
             request_id = uuid.uuid4().hex

@@ -12,9 +12,15 @@ import json
 import logging
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tritonllm.core.sampling_params import MAX_N
 
 logger = logging.getLogger("tritonllm.openai")
+
+# The completions of one request (n per prompt), each a Triton request and a choice built here: checked
+# before anything is built, so that a request cannot make the server build millions of them.
+MAX_COMPLETIONS = 16384
 
 
 class OpenAIError(Exception):
@@ -73,6 +79,14 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        # OpenAI's clients send null for a field they leave unset (n=None, stream=None): its default then.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -115,6 +129,14 @@ class _Request(BaseModel):
                   "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
                   "skip_special_tokens", "spaces_between_special_tokens", "bad_words", "allowed_token_ids",
                   "priority", "truncate_prompt_tokens", "prompt_logprobs")
+
+    def _check_common(self) -> None:
+        """What both endpoints refuse before building anything, in the engine's and vLLM's words."""
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be >= 1, got {self.n}" if self.n < 1 else f"n must be at most {MAX_N}, got {self.n}",
+                              "n")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
 
     def warn_ignored(self) -> None:
         for name in sorted(self.model_extra or {}):
@@ -193,9 +215,13 @@ class CompletionRequest(_Request):
             prompts = list(p)
         if not prompts or any(len(x) == 0 for x in prompts):
             raise bad_request("prompt must not be empty", "prompt")
+        if len(prompts) * self.n > MAX_COMPLETIONS:
+            raise bad_request(f"{len(prompts)} prompts with n={self.n} are {len(prompts) * self.n} completions; at most "
+                              f"{MAX_COMPLETIONS} in one request", "prompt")
         return prompts
 
     def check(self) -> None:
+        self._check_common()
         if self.suffix:
             raise bad_request("suffix (insertion) is not supported", "suffix")
         if self.echo and self.logprobs is not None:
@@ -253,6 +279,7 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict | None = None
 
     def check(self) -> None:
+        self._check_common()
         if self.functions and self.function_call != "none":
             raise bad_request("functions (deprecated) are not supported: use tools", "functions")
         for i, m in enumerate(self.messages):
@@ -286,10 +313,12 @@ class ChatCompletionRequest(_Request):
             if isinstance(content, list):
                 texts = []
                 for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise bad_request(f"messages[{i}]: only text content parts are supported, got "
-                                          f"{part.get('type')!r}", "messages")
-                    texts.append(part["text"])
+                    # An assistant's refusal part is its text too (OpenAI's message history; vLLM takes it so).
+                    kind = "refusal" if part.get("type") == "refusal" and m.role == "assistant" else "text"
+                    if part.get("type") != kind or not isinstance(part.get(kind), str):
+                        raise bad_request(f"messages[{i}]: only text content parts (and an assistant's refusal) are "
+                                          f"supported, got {part.get('type')!r}", "messages")
+                    texts.append(part[kind])
                 content = "\n".join(texts)  # as vLLM joins a message's text parts
             message["content"] = content if content is not None else ""
             if m.role == "assistant" and message.get("tool_calls"):

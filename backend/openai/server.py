@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from tritonllm.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, check_context
 from tritonllm.openai.responses import Choices
@@ -189,6 +190,15 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         return JSONResponse(_invalid(exc.errors()).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        """An unknown path or method, in OpenAI's error shape too (clients read `error.message`)."""
+        error = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                            {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code))
+        body = error.body()
+        body["error"]["type"] = "invalid_request_error" if exc.status_code < 500 else body["error"]["type"]
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
     async def health():
