@@ -547,3 +547,21 @@ def test_aiperf_profiles_the_openai_endpoint(served, tmp_path):
     assert result["completed_request_count"]["avg"] == 4 and result["error_summary"] == []
     assert result["request_error_rate"]["avg"] == 0
     assert result["output_sequence_length"]["avg"] == 8  # counted from usage: ignore_eos reached the model
+
+
+# ---- last: the OpenAI server killed -----------------------------------------------------------------
+
+def test_a_killed_openai_server_is_started_again(served, client):
+    """tritonllm-serve watches the OpenAI server beside tritonserver: killed (as an OOM kill would), it is
+    started again, and the death is logged with its cause."""
+    from supervised import children
+
+    (pid,) = [pid for pid, argv in children(served.process.pid) if "tritonllm.openai" in argv]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while _get(f"{served.base}/v1/models", timeout=2)[0] != 200:
+        assert time.monotonic() < deadline, "the OpenAI server was not started again:\n" + served.log_tail()
+        time.sleep(0.5)
+    assert f"the OpenAI server (pid {pid}) killed by SIGKILL" in served.log.read_text(errors="replace")
+    assert [p for p, argv in children(served.process.pid) if "tritonllm.openai" in argv] != [pid]
+    assert client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2).choices[0].text

@@ -10,6 +10,7 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from tritonllm.serving.supervision import cli as supervision_cli
@@ -75,21 +76,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"try:  curl -s -X POST {args.host}:{args.http_port}/v2/models/smollm2/generate_stream "
           """-d '{"text_input": "What is the capital of France?", "stream": true, """
           """"sampling_parameters": "{\\"max_tokens\\": 32}"}'""", flush=True)
+    start_openai = None
     if args.openai_port is not None:
         from tritonllm.openai.server import start_server
 
         # A child process that stops by itself once its parent is gone (tritonllm-serve; tritonserver after the
         # exec below with --no-supervise).
         grpc_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-        start_server(f"{grpc_host}:{args.grpc_port}", args.host, args.openai_port, extra_args=openai_options(args),
-                     model_repository=str(Path(args.model_repository).resolve()))
+        start_openai = partial(start_server, f"{grpc_host}:{args.grpc_port}", args.host, args.openai_port,
+                               extra_args=openai_options(args), model_repository=str(Path(args.model_repository).resolve()))
         print(f"OpenAI API: http://{args.host}:{args.openai_port}/v1", flush=True)
     if args.no_supervise:
+        if start_openai is not None:
+            start_openai()
         # exec, not a child: Ctrl-C and signals reach tritonserver directly and logs go to the terminal.
         os.execvpe(cmd[0], cmd, server_env())
     else:
-        # tritonserver as a child on private ports, the front on the public ones, until SIGTERM/SIGINT.
-        sys.exit(supervision_cli.run(args, extra))
+        # tritonserver as a child on private ports, the front on the public ones, until SIGTERM/SIGINT; the
+        # OpenAI server beside them, started again if it dies.
+        from tritonllm.serving.supervision.companion import Companion
+
+        companions = [Companion("OpenAI server", start_openai)] if start_openai is not None else []
+        sys.exit(supervision_cli.run(args, extra, companions))
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ def split_server_args(extra: list[str]) -> tuple[list[str], list[str] | None, fl
     return rest, (models or None), exit_timeout, None
 
 
-def run(args: argparse.Namespace, extra: list[str]) -> int:
-    """Serve under supervision until a signal; the exit code."""
+def run(args: argparse.Namespace, extra: list[str], companions: list | None = None) -> int:
+    """Serve under supervision until a signal; the exit code. `companions`: supervision.companion.Companion
+    processes to run beside tritonserver (the OpenAI server)."""
     try:
         import aiohttp  # noqa: F401
         import grpc  # noqa: F401
@@ -71,5 +72,5 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
                            backoff_initial_s=args.restart_backoff, backoff_max_s=args.restart_backoff_max)
     supervisor = Supervisor(Path(args.model_repository), args.host, args.http_port, args.grpc_port, metrics_port,
-                            server_args, models, policy, exit_timeout, args.log_verbose)
+                            server_args, models, policy, exit_timeout, args.log_verbose, companions or [])
     return asyncio.run(supervisor.run())

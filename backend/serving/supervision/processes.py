@@ -38,16 +38,21 @@ def exit_description(pid: int) -> str:
     if fields is None or fields[0] != "Z" or len(fields) < 50:
         return "exited"
     status = int(fields[49])  # exit_code: the waitpid() status
-    if status & 0x7F:
-        sig = status & 0x7F
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        hint = " (what an OOM kill or kill -9 looks like)" if sig == signal.SIGKILL else (
-            " (a crash)" if sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE) else "")
-        return f"killed by {name}{hint}"
-    return f"exited with code {(status >> 8) & 0xFF}"
+    return returncode_description(-(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF)
+
+
+def returncode_description(returncode: int) -> str:
+    """How a process ended, from its return code as subprocess gives it (negative: the signal that ended it)."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    sig = -returncode
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    hint = " (what an OOM kill or kill -9 looks like)" if sig == signal.SIGKILL else (
+        " (a crash)" if sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE) else "")
+    return f"killed by {name}{hint}"
 
 
 def stubs_of(server_pid: int, repository: Path, model: str) -> dict[int, str]:

@@ -45,6 +45,7 @@ import aiohttp
 
 from tritonllm.serving import tritonserver_process
 from tritonllm.serving.engine_health import HEALTH_DIR_ENV
+from tritonllm.serving.supervision.companion import Companion
 from tritonllm.serving.supervision.front import Front, Policy
 from tritonllm.serving.supervision.metrics import supervisor_metrics
 from tritonllm.serving.supervision.model_state import Model
@@ -64,7 +65,7 @@ SERVER_STOP_S = 10.0  # after the drain, tritonserver gets this long to exit bef
 class Supervisor:
     def __init__(self, model_repository: Path, host: str, http_port: int, grpc_port: int, metrics_port: int | None,
                  server_args: list[str], models: list[str] | None, policy: RestartPolicy, exit_timeout_s: float,
-                 log_verbose: int = 0):
+                 log_verbose: int = 0, companions: list[Companion] = ()):
         self.repository = model_repository.resolve()
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
         self.server_args, self.wanted, self.policy = server_args, models, policy
@@ -83,6 +84,7 @@ class Supervisor:
         self.front = None
         self._session = None
         self.api: TritonserverApi | None = None
+        self.companions = list(companions)  # processes beside tritonserver (the OpenAI server), kept running
 
     # -- the front's questions
     def refusal(self, model: str) -> str | None:
@@ -414,6 +416,8 @@ class Supervisor:
                         extra_metrics=self.metrics_text)
         self.front = Front(None, None, None, policy, self.host, self.http_port, self.grpc_port, self.metrics_port)
         try:
+            for companion in self.companions:
+                companion.run()
             await self.front.start()
             logger.info("front listening on %s: HTTP %d, gRPC %d, metrics %s", self.host, self.http_port,
                         self.grpc_port, self.metrics_port)
@@ -440,6 +444,8 @@ class Supervisor:
             # the front's own keep-alive ones to it included, before it unloads anything.
             if self.front is not None:
                 await self.front.stop()
+            for companion in self.companions:
+                await companion.stop()
             await self._session.close()
             await self._stop_server()
             shutil.rmtree(self._health_dir, ignore_errors=True)
