@@ -105,6 +105,25 @@ def test_hermes_text_without_calls_stays_text_and_a_held_marker_prefix_is_releas
     assert stream.text_content() == "see <tool_"
 
 
+@pytest.mark.parametrize("cut_at", ['<tool_call>\n{"name', '<tool_call>\n{"name": "get_weather",', '</tool_call', '<tool_'])
+def test_markup_an_answer_cut_by_max_tokens_had_no_room_to_finish_is_not_content(cut_at):
+    # The answer as max_tokens cut it: one whole call, then the start of more markup.
+    whole = HERMES_TEXT.split("<tool_call>", 2)
+    text = "<tool_call>".join(whole[:2]) + "\n" if cut_at != "</tool_call" else HERMES_TEXT[:HERMES_TEXT.index("</tool_call>")]
+    for size in (1, 5, 1000):
+        stream = ToolCallStream(FORMATS["hermes"])
+        deltas = []
+        for piece in (text, cut_at):
+            for start in range(0, len(piece), size):
+                deltas += stream.feed(piece[start:start + size])
+        content, calls = calls_from_deltas(deltas + stream.finish(cut=True))
+        assert content == "Let me look.\n" and stream.text_content() == "Let me look.\n", (size, content)
+        assert calls[0]["name"] == "get_weather" and stream.calls[0].complete
+    # An answer that ended by itself keeps such text as content, as before.
+    stream = ToolCallStream(FORMATS["hermes"])
+    assert calls_from_deltas(feed_in_pieces(stream, "see <tool_", 4))[0] == "see <tool_"
+
+
 def test_hermes_marker_without_a_call_is_text_and_only_calls_give_null_content():
     stream = ToolCallStream(FORMATS["hermes"])
     content, calls = calls_from_deltas(feed_in_pieces(stream, "<tool_call>\nnot a call at all", 5))

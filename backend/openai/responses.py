@@ -98,9 +98,9 @@ class Choices:
         parts = calls.feed(text)
         choice = self.choices[index]
         if out.final:
-            parts += calls.finish()
+            reason = _finish_reason(out.finish_reasons[index % self.n]) if out.finish_reasons is not None else None
+            parts += calls.finish(cut=reason == "length")
             if out.finish_reasons is not None:
-                reason = _finish_reason(out.finish_reasons[index % self.n])
                 # As OpenAI's and vLLM's: calls end an answer with "tool_calls", but for a named function.
                 if reason == "stop" and not self._tools.named and any(c.complete for c in calls.reported_calls):
                     reason = "tool_calls"

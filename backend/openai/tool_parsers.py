@@ -150,9 +150,18 @@ class ToolCallStream:
             pass
         return out
 
-    def finish(self) -> list[dict]:
-        """The end of the text: what was held back is decided."""
+    def finish(self, cut: bool = False) -> list[dict]:
+        """The end of the text: what was held back is decided. `cut`: the answer was cut (max_tokens), so
+        what is held back is the start of markup it had no room to finish (a call's opening, a closer),
+        which is dropped rather than given as content."""
         out: list[dict] = []
+        if cut:
+            while self._step(out, final=False):
+                pass
+            if self._state == "tail":  # the arguments' value had ended
+                self.calls[-1].complete = True
+            self._buffer, self._state = "", "text"
+            return out
         while self._step(out, final=True):
             pass
         if self._state == "header":  # a start marker, then no call: it was text
