@@ -18,6 +18,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 
 import grpc
@@ -332,6 +333,15 @@ def test_sigterm_lets_requests_finish_refuses_new_ones_and_exits_0(tmp_path):
     server.start()
     short = long = None
     try:
+        # First, 20 streams each closed the moment its final response is in, as most clients do: none may keep
+        # the model from unloading at the end (the front half-closes them upstream, never cancels them).
+        quick = [StreamProbe(server.grpc_url, f"quick{i}", generate_inputs("Hello", 4)) for i in range(20)]
+        closers = [threading.Thread(target=lambda p=p: p.done.wait(60) and p.close(timeout=10)) for p in quick]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(timeout=90)
+        assert all(p.finals == 1 and p.error is None for p in quick), [p.errors for p in quick if p.errors]
         short = StreamProbe(server.grpc_url, "short", generate_inputs(PLAIN_PROMPTS[0], 6))
         long = StreamProbe(server.grpc_url, "long", generate_inputs(PLAIN_PROMPTS[1], 8000))
         wait_streaming([short, long])
@@ -351,6 +361,8 @@ def test_sigterm_lets_requests_finish_refuses_new_ones_and_exits_0(tmp_path):
         assert long.close(timeout=5)
         assert server.wait(60) == 0
         _assert_one_terminal([short, long])
+        log = server.log_text()
+        assert "successfully unloaded 'smollm2'" in log and "Exit timeout expired" not in log, log[-3000:]
     finally:
         if server.process.poll() is None:
             server.kill()

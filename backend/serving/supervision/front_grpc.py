@@ -151,7 +151,12 @@ class GrpcFront(grpc.GenericRpcHandler):
                 state["current"] = call
             return state["current"]
 
+        retired: set = set()
+
         async def retire(call, abandoned: bool) -> None:
+            if call in retired:
+                return
+            retired.add(call)
             if abandoned:
                 call.cancel()  # what it still holds was ended here and will never finish in tritonserver
                 return
@@ -206,7 +211,15 @@ class GrpcFront(grpc.GenericRpcHandler):
                 if item is not wake:
                     await context.write(item)
         finally:
+            # Upstream streams whose requests have all ended are half-closed, never cancelled, even when this
+            # client's stream has just ended: tritonserver 2.51 can lose a finished stream that is cancelled
+            # and then never unload its model (docs/OPERATIONS.md, "Known"). Requests still in flight (a
+            # client gone mid-request) are cancelled with their stream, which aborts them.
+            in_flight = stream.busy or stream.abandoned
             stream.release()
             reader.cancel()
             for call in list(calls):
-                call.cancel()
+                if in_flight:
+                    call.cancel()
+                else:
+                    asyncio.ensure_future(retire(call, False))
