@@ -9,6 +9,7 @@ token first, then the N most likely ones with their ranks (docs/API.md).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tritonllm.openai.tool_parsers import ToolCallStream
@@ -52,8 +53,11 @@ class Choices:
     """The state of one request's choices: `add` each Triton response, then build the object or chunks."""
 
     def __init__(self, chat: bool, n: int, num_prompts: int, top_logprobs: int | None, echo: list[str] | None = None,
-                 tools: ToolPlan | None = None):
+                 tools: ToolPlan | None = None, token_bytes: Callable[[int], bytes | None] | None = None):
+        """`token_bytes`: token id -> its own bytes (token_bytes.py), for chat log-probs' `bytes`; None: the
+        UTF-8 of each token's text."""
         self.chat, self.n, self.top_n = chat, n, top_logprobs
+        self._token_bytes = token_bytes
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         # Chat with tools: each choice's text is read for calls as it arrives.
         self._tools = tools
@@ -122,12 +126,12 @@ class Choices:
         if self.chat:
             items = []
             for entries in tokens:
-                ranked = sorted(entries.values(), key=lambda e: e["rank"])
-                chosen = next(iter(entries.values()))
-                token = chosen["decoded_token"]
-                items.append({"token": token, "logprob": chosen["logprob"], "bytes": _bytes(token),
+                ranked = sorted(entries.items(), key=lambda item: item[1]["rank"])
+                token_id, chosen = next(iter(entries.items()))
+                items.append({"token": chosen["decoded_token"], "logprob": chosen["logprob"],
+                              "bytes": self._bytes(token_id, chosen["decoded_token"]),
                               "top_logprobs": [{"token": e["decoded_token"], "logprob": e["logprob"],
-                                                "bytes": _bytes(e["decoded_token"])} for e in ranked[:top_n]]})
+                                                "bytes": self._bytes(t, e["decoded_token"])} for t, e in ranked[:top_n]]})
             choice.chat_logprobs += items
             return items
         part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -143,6 +147,10 @@ class Choices:
         for key, values in part.items():
             choice.completion_logprobs[key] += values
         return part
+
+    def _bytes(self, token_id: str, text: str) -> list[int]:
+        own = self._token_bytes(int(token_id)) if self._token_bytes is not None else None
+        return list(own) if own is not None else _bytes(text)
 
     def usage(self) -> dict:
         prompt = sum(self.prompt_tokens)

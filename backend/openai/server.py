@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException
 
 from tritonllm.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, check_context
 from tritonllm.openai.responses import Choices
+from tritonllm.openai.token_bytes import token_bytes_of
 from tritonllm.openai.tool_parsers import FORMATS
 from tritonllm.openai.tools import ToolSettings, plan_tools, read_chat_template
 from tritonllm.openai.triton import TritonBackend, TritonOutput, TritonRequest
@@ -286,7 +287,8 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         sampling = body.sampling_parameters(plan.guide if plan is not None else None)
         requests = [TritonRequest(model, list(ids), sampling, body.stream, body.return_logprobs, request_id)]
-        choices = Choices(chat=True, n=body.n, num_prompts=1, top_logprobs=body.top_logprobs, tools=plan)
+        choices = Choices(chat=True, n=body.n, num_prompts=1, top_logprobs=body.top_logprobs, tools=plan,
+                          token_bytes=token_bytes_of(tokenizer) if body.logprobs else None)
         return await _answer(backend, raw, body, model.name, request_id, requests, choices)
 
     from tritonllm.openai.embeddings import register_embeddings  # /v1/embeddings (embeddings.py)
