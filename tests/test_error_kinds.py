@@ -1,11 +1,11 @@
-"""The kind of an error inside its message (serving/error_kinds.py): asked for, written, read back."""
+"""The kind of an error inside its message (core/error_kinds.py): asked for, written, read back."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tritonllm.serving.error_kinds import KINDS, asks_for_kind, split_kind, with_kind
+from tritonllm.core.error_kinds import KINDS, asks_for_kind, split_kind, with_kind
 from tritonllm.serving.request_parsing import parse_request
 
 pytestmark = pytest.mark.unit

@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 from tritonllm.core.multi_lora import read_multi_lora
 from tritonllm.core.parameters import ConfigError
 from tritonllm.openai.protocol import OpenAIError
-from tritonllm.serving.error_kinds import KIND_PARAMETER, split_kind
+from tritonllm.core.error_kinds import KIND_PARAMETER, split_kind
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -36,7 +36,7 @@ logger = logging.getLogger("tritonllm.openai")
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
                 grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.RESOURCE_EXHAUSTED: 503}
 # A request's error comes as a message inside its stream; our models begin it with its kind when the
-# request asks (serving/error_kinds.py: the header that would make it the stream's status crashes
+# request asks (core/error_kinds.py: the header that would make it the stream's status crashes
 # tritonserver 2.51). A message without a kind is tritonserver's own, or another model's.
 _KIND_STATUS = {"invalid_argument": 400, "unavailable": 503, "internal": 500}
 _CODES = {400: "invalid_request", 404: "model_not_found", 503: "unavailable", 500: "internal_error"}

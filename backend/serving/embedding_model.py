@@ -35,7 +35,7 @@ from tritonllm.core.sampling_params import InvalidRequestError
 from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
 from tritonllm.embeddings.request import EmbeddingOutput
 from tritonllm.serving import orphan_guard
-from tritonllm.serving.error_kinds import KIND_OF_ERROR
+from tritonllm.core.error_kinds import KIND_OF_ERROR
 from tritonllm.serving.instance_config import config_from_triton
 from tritonllm.serving.model_io import EMBEDDING_INPUTS, complete_config, embedding_outputs, missing_inputs_error
 from tritonllm.serving.request_parsing import MAX_TEXT_BYTES, _bool, _scalar, _text

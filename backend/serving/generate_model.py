@@ -31,7 +31,7 @@ from tritonllm.core.outputs import RequestOutput
 from tritonllm.core.parameters import ConfigError
 from tritonllm.core.sampling_params import InvalidRequestError
 from tritonllm.serving import engine_health, orphan_guard
-from tritonllm.serving.error_kinds import KIND_OF_ERROR, asks_for_kind, with_kind
+from tritonllm.core.error_kinds import KIND_OF_ERROR, asks_for_kind, with_kind
 from tritonllm.serving.instance_config import config_from_triton
 from tritonllm.serving.metrics import EngineMetrics
 from tritonllm.serving.model_io import GENERATE_INPUTS, GENERATE_OUTPUTS, complete_config, missing_inputs_error

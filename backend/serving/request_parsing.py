@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tritonllm.core.sampling_params import BOOL_PARAMETERS, FLOAT_PARAMETERS, InvalidRequestError, SamplingParams
-from tritonllm.serving.error_kinds import KIND_PARAMETER
+from tritonllm.core.error_kinds import KIND_PARAMETER
 from tritonllm.serving.model_io import GENERATE_FLAGS, GENERATE_INPUTS
 
 MAX_TEXT_BYTES = 1 << 20  # bounded request size: a prompt beyond 1 MiB is refused outright

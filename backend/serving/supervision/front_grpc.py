@@ -13,7 +13,7 @@ import contextlib
 import grpc
 from tritonclient.grpc import service_pb2
 
-from tritonllm.serving.error_kinds import KIND_PARAMETER, with_kind
+from tritonllm.core.error_kinds import KIND_PARAMETER, with_kind
 from tritonllm.serving.supervision.stream_tracking import STATUS_HEADER, TrackedStream, stream_error
 
 SERVICE = "/inference.GRPCInferenceService/"

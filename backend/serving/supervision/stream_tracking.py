@@ -8,7 +8,7 @@ matched to requests by (model, id).
 
 A client that sets `triton_grpc_error: true` takes a request's error as the stream's gRPC status. The
 front answers it so itself and never forwards the header, whose handling crashes tritonserver 2.51
-(serving/error_kinds.py): it asks the model for the error's kind in the message instead (requests that
+(core/error_kinds.py): it asks the model for the error's kind in the message instead (requests that
 carry a `sampling_parameters` tensor: front_grpc.py), and ends the stream with that kind's status. An
 error without a kind (tritonserver's own, such as an unknown model, or another backend's) stays a
 message inside the stream.
@@ -21,7 +21,7 @@ import asyncio
 import grpc
 from tritonclient.grpc import service_pb2
 
-from tritonllm.serving.error_kinds import split_kind, with_kind
+from tritonllm.core.error_kinds import split_kind, with_kind
 from tritonllm.serving.supervision.inflight import Entry, Inflight
 
 STATUS_HEADER = ("triton_grpc_error", "true")
