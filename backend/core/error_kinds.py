@@ -2,11 +2,11 @@
 
 A Triton gRPC stream carries a request's error as a message inside the stream, without its status code.
 tritonserver can instead end the stream with the error's status code (the `triton_grpc_error: true`
-header), but tritonserver 2.51's stream handler crashes the server (Signal 11 or 6) when several such
-streams end with errors at once: 16 clients sending invalid requests crash it within a second
-(docs/OPERATIONS.md, "Known"). So our OpenAI server and the supervising front never use that header
-upstream; a client that needs the kind sends the request parameter KIND_PARAMETER = true, and our
-models then begin the message with "[kind] ".
+header), but tritonserver 2.51's stream handler crashes the server when several such streams end with
+errors at once, which clients sending invalid requests can bring about (docs/OPERATIONS.md, "Known").
+So our OpenAI server and the supervising front never use that header upstream; a client that needs the
+kind sends the request parameter KIND_PARAMETER = true, and our models then begin the message with
+"[kind] ".
 """
 
 from __future__ import annotations
