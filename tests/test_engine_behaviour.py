@@ -38,6 +38,13 @@ def test_stop_token_ids(engine):
     [out] = greedy(engine, [PLAIN_PROMPTS[0]], max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id])
     first = ref.token_ids.index(stop_id)
     assert out.token_ids == ref.token_ids[:first + 1] and out.finish_reason == "stop"
+    # The stop token's text is left out, as vLLM's; with include_stop_str_in_output it ends the text.
+    before = engine.tokenizer.decode(ref.token_ids[:first], skip_special_tokens=True)
+    through = engine.tokenizer.decode(ref.token_ids[:first + 1], skip_special_tokens=True)
+    assert before != through and out.text == before
+    [kept] = greedy(engine, [PLAIN_PROMPTS[0]], max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id],
+                    include_stop_str_in_output=True)
+    assert kept.token_ids == out.token_ids and kept.text == through
 
 
 def test_stop_string_returns_the_text_before_it(engine):

@@ -78,6 +78,22 @@ def test_request_strings_for_the_new_parameters_are_converted_and_both_prompts_r
             SamplingParams(stream_interval=bad)
 
 
+def test_a_prompt_of_token_ids_leads_the_whole_text_as_the_text_it_spells_and_takes_no_chat_template():
+    ids = np.array([5, 6], dtype=np.int32)
+    spelled = {(5, 6): "Hello there"}
+    whole = parse_request({"input_ids": ids, "stream": np.array([False])}, None)
+    assembler = ResponseAssembler(whole, lambda t: spelled[tuple(t)])
+    assembler.add(RequestOutput("r", [7], [0.0], "!", True, "stop", 2, 1))
+    assert assembler.take_outputs()["text_output"].tolist() == [b"Hello there!"]
+    excluded = parse_request({"input_ids": ids, "stream": np.array([False]),
+                              "exclude_input_in_output": np.array([True])}, None)
+    assembler = ResponseAssembler(excluded, lambda t: spelled[tuple(t)])
+    assembler.add(RequestOutput("r", [7], [0.0], "!", True, "stop", 2, 1))
+    assert assembler.take_outputs()["text_output"].tolist() == [b"!"]
+    with pytest.raises(InvalidRequestError, match="apply_chat_template takes a text_input"):
+        parse_request({"input_ids": ids, "apply_chat_template": np.array([True])}, None)
+
+
 def _output(ids: list[int]) -> RequestOutput:
     """A running request's news of one step: these tokens, one character of text each."""
     return RequestOutput("r", ids, [0.0] * len(ids), "x" * len(ids), False, None, 3, 0, 0)

@@ -533,6 +533,8 @@ class Engine:
         p = seq.params
         if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
             if seq.num_output_tokens > p.min_tokens or not p.min_tokens:
+                if p.include_stop_str_in_output and p.detokenize:  # vLLM's: the stop token's text too
+                    state.text += state.detok.add(token_id)
                 return FinishReason.STOP
         if seq.guided is not None and token_id in self.eos_token_ids:
             return FinishReason.STOP  # a guided choice ended, ignore_eos or not

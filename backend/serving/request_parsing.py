@@ -143,6 +143,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
     has_ids = "input_ids" in inputs and np.asarray(inputs["input_ids"]).size > 0
     if has_ids and "text_input" in inputs:
         raise InvalidRequestError("give the prompt as text_input or as input_ids, not both")
+    if has_ids and flags.get("apply_chat_template"):
+        raise InvalidRequestError("apply_chat_template takes a text_input (the user's message); input_ids are a "
+                                  "prompt's tokens already, a chat template applied by the caller")
     if has_ids:
         ids = np.asarray(inputs["input_ids"]).reshape(-1)
         if ids.dtype.kind not in "iu":

@@ -55,8 +55,11 @@ class ResponseAssembler:
         self._num_finished = 0
         self._prompt_logprobs: list | None = None  # arrived, not yet sent
         self._num_taken = 0  # responses taken so far
-        # Not streaming, the prompt leads each full text unless exclude_input_in_output (vLLM backend's).
-        self._prompt_prefix = (parsed.prompt or "") if not parsed.exclude_input_in_output and not parsed.stream else ""
+        # Not streaming, the prompt leads each full text unless exclude_input_in_output (vLLM backend's);
+        # a prompt given as token ids leads it as the text those spell.
+        self._prompt_prefix = ""
+        if not parsed.exclude_input_in_output and not parsed.stream:
+            self._prompt_prefix = parsed.prompt if parsed.prompt is not None else decode_token(parsed.prompt_token_ids or [])
 
     @property
     def finished(self) -> bool:
