@@ -126,6 +126,27 @@ def _session_triton_server(model_dir, tmp_path_factory):
     server.stop_later()
 
 
+@pytest.fixture(scope="session")
+def openai_tools_server(_session_triton_server, tmp_path_factory):
+    """Our OpenAI server with the shipped tool template and the hermes parser, beside the session's
+    tritonserver (smollm2): the tool call and Responses API tests' (test_openai_tools.py,
+    test_openai_responses.py)."""
+    from openai_front import openai_front
+
+    log = tmp_path_factory.mktemp("openai-tools") / "openai.log"
+    with openai_front(_session_triton_server.grpc_url, log, "--chat-template", "chatml_hermes_tools",
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                      ready_path="/v1/models", ready_text="smollm2") as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def openai_tools_client(openai_tools_server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{openai_tools_server}/v1", api_key="unused", timeout=600, max_retries=0)
+
+
 # Why the session's server stopped serving, and after which test (pytest_runtest_makereport).
 _stopped_serving: dict[str, str] = {}
 

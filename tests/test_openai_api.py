@@ -249,6 +249,11 @@ def test_greedy_outputs_are_the_tokens_of_tritons_generate_endpoint(served, clie
     completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=1)
     assert completion.choices[0].text == triton["text_output"]
     assert completion.choices[0].logprobs.tokens == [hf_tokenizer.decode([t]) for t in triton["output_ids"]]
+    # Greedy: the sampled token is the most likely one, so logprobs=1 names it alone; logprobs=0 names it too.
+    assert [list(top) for top in completion.choices[0].logprobs.top_logprobs] == [[t] for t in completion.choices[0].logprobs.tokens]
+    none_beside = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=0)
+    lp = none_beside.choices[0].logprobs
+    assert [list(top.items()) for top in lp.top_logprobs] == [[(t, v)] for t, v in zip(lp.tokens, lp.token_logprobs)]
     # The prompt as token ids gives the same completion.
     by_ids = client.completions.create(model=MODEL, prompt=hf_tokenizer.encode(prompt), max_tokens=12, temperature=0)
     assert by_ids.choices[0].text == triton["text_output"]
@@ -398,8 +403,8 @@ def test_the_front_refuses_what_it_would_build_too_much_for_and_takes_nulls_as_u
     # Unknown paths and methods answer in OpenAI's error shape too.
     status, body = _post(served, "/v1/chat/completions", None, method="GET")
     assert status == 405 and body["error"]["code"] == "method_not_allowed", body
-    status, body = _post(served, "/v1/responses", {"model": MODEL})
-    assert status == 404 and body["error"]["message"].startswith("POST /v1/responses"), body
+    status, body = _post(served, "/v1/audio/speech", {"model": MODEL})
+    assert status == 404 and body["error"]["message"].startswith("POST /v1/audio/speech"), body
 
 
 def _repository_state(served: Served, name: str) -> str:

@@ -88,6 +88,9 @@ def test_token_ids_embed_as_their_text(client, reference, st_model):
 def test_models_lists_the_embedding_model(client):
     assert MODEL in [m.id for m in client.models.list().data]
     assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:  # the answer names every kind of model served
+        client.models.retrieve("no-such-model")
+    assert "the embedding models are ['minilm']" in missing.value.body["message"], missing.value.body
 
 
 @pytest.mark.parametrize("body, status, param, words", [

@@ -16,7 +16,6 @@ import sys
 
 import pytest
 
-from openai_front import openai_front
 from tritonllm.core.errors import InvalidRequestError
 from tritonllm.guided.grammar import compile_grammar
 from tritonllm.guided.structural_tag import structural_tag_grammar, structural_tag_text
@@ -317,22 +316,9 @@ def test_server_options_come_from_the_command_line_and_the_environment():
 
 # ---- through a real server ----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def openai_server(_session_triton_server, tmp_path_factory):
-    """The OpenAI server with the shipped tool template and the hermes parser, beside the session's
-    tritonserver (smollm2)."""
-    log = tmp_path_factory.mktemp("openai-tools") / "openai.log"
-    with openai_front(_session_triton_server.grpc_url, log, "--chat-template", "chatml_hermes_tools",
-                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                      ready_path="/v1/models", ready_text=MODEL) as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(openai_server):
-    import openai
-
-    return openai.OpenAI(base_url=f"{openai_server}/v1", api_key="unused", timeout=600, max_retries=0)
+@pytest.fixture
+def client(openai_tools_client):
+    return openai_tools_client  # conftest.py's: the OpenAI server with the tool template and parser
 
 
 QUESTION = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
@@ -416,7 +402,7 @@ def test_bad_tool_requests_get_openai_400s(client):
 
 
 @pytest.mark.server
-def test_langchain_runs_a_two_turn_tool_loop(openai_server):
+def test_langchain_runs_a_two_turn_tool_loop(openai_tools_server):
     """LangChain's ChatOpenAI.bind_tools: a call, the tool's result, then the final answer."""
     from typing import Literal
 
@@ -437,7 +423,7 @@ def test_langchain_runs_a_two_turn_tool_loop(openai_server):
         seen.append((city, unit))
         return f"Sunny, 21 degrees {unit}"
 
-    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{openai_server}/v1", api_key="unused", temperature=0,
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{openai_tools_server}/v1", api_key="unused", temperature=0,
                                       max_tokens=64, max_retries=0, timeout=600)
     messages = [HumanMessage("What is the weather in Paris?")]
     first = llm.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False).invoke(messages)

@@ -315,6 +315,7 @@ def register_embeddings(app: FastAPI, backend: TritonBackend) -> None:
                     raise
                 models = await front.models()
                 if name not in models:
+                    exc.message += f"; the embedding models are {sorted(models)}"
                     raise
                 return front.card(models[name])
 

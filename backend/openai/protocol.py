@@ -73,9 +73,16 @@ class ResponseFormat(BaseModel):
     json_schema: dict | None = None
 
 
-class _Request(BaseModel):
-    """Fields both endpoints take. Fields of neither OpenAI nor vLLM are ignored, as vLLM's server
-    does, so that clients written for other servers keep working; they are logged once."""
+# The request fields passed on to the model's sampling parameters under the same names.
+PASSED_ON = ("n", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p", "min_tokens",
+             "ignore_eos", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+             "spaces_between_special_tokens", "bad_words", "allowed_token_ids", "priority", "truncate_prompt_tokens",
+             "prompt_logprobs")
+
+
+class RequestBody(BaseModel):
+    """A request body of this server's. Fields it does not know are kept aside (and ignored), as vLLM's
+    server does, so that clients written for other servers keep working."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -86,6 +93,10 @@ class _Request(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+
+class _Request(RequestBody):
+    """Fields both completion endpoints take. Fields of neither OpenAI nor vLLM are logged once."""
 
     model: str | None = None
     n: int = 1
@@ -125,11 +136,6 @@ class _Request(BaseModel):
     guided_decoding_backend: str | None = None  # accepted: llguidance is the only backend
     structured_outputs: dict | None = None
 
-    _PASSED_ON = ("n", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                  "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
-                  "skip_special_tokens", "spaces_between_special_tokens", "bad_words", "allowed_token_ids",
-                  "priority", "truncate_prompt_tokens", "prompt_logprobs")
-
     def _check_common(self) -> None:
         """What both endpoints refuse before building anything, in the engine's and vLLM's words."""
         if not 1 <= self.n <= MAX_N:
@@ -139,14 +145,11 @@ class _Request(BaseModel):
             raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
 
     def warn_ignored(self) -> None:
-        for name in sorted(self.model_extra or {}):
-            if name not in _WARNED:
-                _WARNED.add(name)
-                logger.warning("request field %r is not known to this server and is ignored", name)
+        warn_ignored(self.model_extra or {})
 
     def _sampling(self, max_tokens: int | None) -> dict[str, Any]:
         """The model's `sampling_parameters` for this request (values not set are left to the model)."""
-        params: dict[str, Any] = {name: getattr(self, name) for name in self._PASSED_ON if getattr(self, name) is not None}
+        params: dict[str, Any] = {name: getattr(self, name) for name in PASSED_ON if getattr(self, name) is not None}
         # OpenAI's default temperature is 1 (sampling); the model's is 0 (greedy).
         params["temperature"] = 1.0 if self.temperature is None else self.temperature
         params["max_tokens"] = max_tokens
@@ -194,6 +197,14 @@ class _Request(BaseModel):
 
 
 _WARNED: set[str] = set()
+
+
+def warn_ignored(names) -> None:
+    """Log a request field this server does not know, once per name."""
+    for name in sorted(names):
+        if name not in _WARNED:
+            _WARNED.add(name)
+            logger.warning("request field %r is not known to this server and is ignored", name)
 
 
 class CompletionRequest(_Request):

@@ -97,6 +97,10 @@ class Choices:
                 deltas.append(Delta(index, text, logprobs, choice.finish_reason if out.final else None))
         return deltas
 
+    def tool_calls(self, index: int) -> ToolCallStream | None:
+        """Choice `index`'s calls as read so far (None without tools, or with tool_choice "none")."""
+        return self._calls[index]
+
     def _tool_deltas(self, index: int, calls: ToolCallStream, text: str, logprobs, out: TritonOutput) -> list[Delta]:
         """A chat choice with tools: its new text as content and tool call deltas, each a chunk of its own."""
         parts = calls.feed(text)
@@ -141,7 +145,10 @@ class Choices:
             chosen = next(iter(entries.values()))
             part["tokens"].append(chosen["decoded_token"])
             part["token_logprobs"].append(chosen["logprob"])
-            part["top_logprobs"].append({e["decoded_token"]: e["logprob"] for e in ranked[:top_n]})
+            # As OpenAI's and vLLM's: the sampled token is always among them (up to logprobs + 1 entries).
+            top = {chosen["decoded_token"]: chosen["logprob"]}
+            top.update((e["decoded_token"], e["logprob"]) for e in ranked[:top_n])
+            part["top_logprobs"].append(top)
             part["text_offset"].append(offset)
             offset += len(chosen["decoded_token"])
         for key, values in part.items():

@@ -30,8 +30,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from tritonllm.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, check_context
+from tritonllm.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, check_context, warn_ignored
 from tritonllm.openai.responses import Choices
+from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest, ResponseStore
 from tritonllm.openai.token_bytes import token_bytes_of
 from tritonllm.openai.tool_parsers import FORMATS
 from tritonllm.openai.tools import ToolSettings, plan_tools, read_chat_template
@@ -266,6 +267,12 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
         body = await _parse(ChatCompletionRequest, raw)
         body.check()
         body.warn_ignored()
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        model, requests, choices = await prepare_chat(body, request_id)
+        return await _answer(backend, raw, body, model.name, request_id, requests, choices)
+
+    async def prepare_chat(body: ChatCompletionRequest, request_id: str):
+        """A checked chat request -> its model, its Triton request and the choices its outputs fill."""
         plan = plan_tools(body, tools)
         model = await backend.model(body.model)
         messages = body.template_messages()
@@ -284,45 +291,93 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
             raise OpenAIError(400, f"the chat template cannot render these messages: {exc}", "invalid_request",
                               "messages") from None
         check_context(model.max_model_len, len(ids), body.max_new_tokens, body.truncate_prompt_tokens)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         sampling = body.sampling_parameters(plan.guide if plan is not None else None)
         requests = [TritonRequest(model, list(ids), sampling, body.stream, body.return_logprobs, request_id)]
         choices = Choices(chat=True, n=body.n, num_prompts=1, top_logprobs=body.top_logprobs, tools=plan,
                           token_bytes=token_bytes_of(tokenizer) if body.logprobs else None)
-        return await _answer(backend, raw, body, model.name, request_id, requests, choices)
+        return model, requests, choices
+
+    stored = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create_response(raw: Request):
+        body = await _parse(ResponsesRequest, raw)
+        body.check()
+        warn_ignored(body.ignored_fields())
+        conversation = (stored.history(body.previous_response_id) if body.previous_response_id else [])
+        conversation += body.input_messages()
+        chat = body.chat_request(conversation)
+        chat.check()
+        output = ResponseOutput(body, "")
+        model, requests, choices = await prepare_chat(chat, output.id)
+        output.response["model"] = model.name
+        return await _answer_response(backend, raw, body, requests, choices, output,
+                                      lambda: stored.put(output, conversation) if body.store else None)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return stored.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return stored.delete(response_id)
 
     from tritonllm.openai.embeddings import register_embeddings  # /v1/embeddings (embeddings.py)
     register_embeddings(app, backend)
     return app
 
 
+def _sse_event(event: dict) -> str:
+    """A Responses API event, named as OpenAI's are (`event:` beside `data:`)."""
+    return f"event: {event['type']}\n" + _sse(event)
+
+
+async def _answer_response(backend: TritonBackend, raw: Request, body: ResponsesRequest, requests: list[TritonRequest],
+                           choices: Choices, output: ResponseOutput, keep):
+    """A Responses API answer: the whole response, or its events; `keep` stores it once whole."""
+    jobs = _Jobs(backend, requests)
+
+    def ending() -> list[dict]:
+        events = output.finish(choices.choices[0].finish_reason, choices.tool_calls(0), choices.usage())
+        keep()
+        return events
+
+    async def whole():
+        async for k, out in jobs.outputs():
+            for delta in choices.add(k, out):
+                output.add(delta)
+        ending()
+        return output.response
+
+    async def events():
+        try:
+            for event in output.start():
+                yield _sse_event(event)
+            async for k, out in jobs.outputs():
+                for delta in choices.add(k, out):
+                    for event in output.add(delta):
+                        yield _sse_event(event)
+            for event in ending():
+                yield _sse_event(event)
+        except OpenAIError as exc:
+            for event in output.failed(exc):
+                yield _sse_event(event)
+
+    return await _run(raw, jobs, body.stream, whole, events)
+
+
 async def _answer(backend: TritonBackend, raw: Request, body, model: str, request_id: str,
                   requests: list[TritonRequest], choices: Choices):
     jobs = _Jobs(backend, requests)
-    if not body.stream:
-        async def collect():
-            async for k, out in jobs.outputs():
-                choices.add(k, out)
-            return choices.response(request_id, model, body.return_logprobs)
 
-        try:
-            return await _unless_disconnected(raw, collect())
-        except _ClientGone:
-            return Response(status_code=499)  # nobody reads it; the Triton requests are cancelled
-        finally:
-            await jobs.close()
-    try:
-        await _unless_disconnected(raw, jobs.prime())
-    except BaseException as exc:
-        await jobs.close()
-        if isinstance(exc, _ClientGone):
-            return Response(status_code=499)
-        raise
+    async def whole():
+        async for k, out in jobs.outputs():
+            choices.add(k, out)
+        return choices.response(request_id, model, body.return_logprobs)
+
     final_usage, continuous_usage = body.wants_usage()
 
     async def events():
-        # Starlette cancels this generator when the client disconnects; `finally` then cancels the
-        # Triton requests still running.
         try:
             first = choices.first_chunk_choices()
             if first:
@@ -336,11 +391,38 @@ async def _answer(backend: TritonBackend, raw: Request, body, model: str, reques
                 yield _sse(choices.chunk(request_id, model, [], choices.usage()))
         except OpenAIError as exc:  # after the headers: the error goes in the stream, as vLLM's does
             yield _sse(exc.body())
-        finally:
-            await jobs.close()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _run(raw, jobs, body.stream, whole, events)
+
+
+async def _run(raw: Request, jobs: _Jobs, stream: bool, whole, events):
+    """Serve a request's Triton jobs: `whole()`'s answer, or (streaming) the text `events()` yields. A
+    refused request is answered with its HTTP status before a stream's headers go out; a client that
+    goes away cancels the jobs (Starlette cancels the stream's generator, whose `finally` closes them)."""
+    if not stream:
+        try:
+            return await _unless_disconnected(raw, whole())
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it; the Triton requests are cancelled
+        finally:
+            await jobs.close()
+    try:
+        await _unless_disconnected(raw, jobs.prime())
+    except BaseException as exc:
+        await jobs.close()
+        if isinstance(exc, _ClientGone):
+            return Response(status_code=499)
+        raise
+
+    async def closing():
+        try:
+            async for text in events():
+                yield text
+        finally:
+            await jobs.close()
+
+    return StreamingResponse(closing(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 # ---- running it ------------------------------------------------------------------------------

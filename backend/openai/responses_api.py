@@ -1,0 +1,391 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on the chat path.
+
+A Responses request is a chat request in other clothes: `instructions` and the `input` items become
+chat messages (function calls an assistant's `tool_calls`, their outputs `tool` messages), function
+tools become chat tools, `text.format` a `response_format`. The chat path renders, guides and parses
+it (server.py); `ResponseOutput` turns its text and tool call deltas into the Responses API's output
+items (a `message` with `output_text`, a `function_call` per call) and, streaming, into its events
+(`response.created` ... `response.completed`), each with its `sequence_number`.
+
+Responses are kept (`store`, true by default as OpenAI's) in a bounded store in this process, so that
+`previous_response_id` continues a conversation and `GET /v1/responses/{id}` finds one; a restart of
+this server forgets them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from tritonllm.openai.protocol import PASSED_ON, ChatCompletionRequest, OpenAIError, RequestBody, bad_request
+from tritonllm.openai.responses import Delta
+from tritonllm.openai.tool_parsers import ToolCallStream
+
+MAX_STORED = 2048  # responses kept for previous_response_id; the oldest go first
+# vLLM's sampling fields that a Responses request may carry too (as extra body fields), passed on as
+# the chat endpoint passes them.
+_PASSED_ON = tuple(name for name in PASSED_ON if name != "n") + ("logit_bias",)
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "summary_text": "text"}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class ResponsesRequest(RequestBody):
+    """The request fields this server reads; others are ignored (and logged once), as by vLLM."""
+
+    model: str | None = None
+    input: Union[str, list[dict]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    text: dict | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    metadata: dict | None = None
+    user: str | None = None
+    truncation: str | None = None
+    reasoning: dict | None = None  # accepted: the models here do not reason
+    background: bool | None = None
+    stream_options: dict | None = None  # OpenAI's `include_obfuscation`: nothing to obfuscate here
+
+    def check(self) -> None:
+        if self.background:
+            raise bad_request("background responses are not supported: ask with stream true, or wait for the "
+                              "answer", "background")
+        if self.truncation not in (None, "disabled", "auto"):
+            raise bad_request(f"truncation must be 'auto' or 'disabled', got {self.truncation!r}", "truncation")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise bad_request(f"max_output_tokens must be at least 1, got {self.max_output_tokens}",
+                              "max_output_tokens")
+        if isinstance(self.input, str) and not self.input:
+            raise bad_request("input must not be empty", "input")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(name for name in self.model_extra or {} if name not in _PASSED_ON)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or [])
+
+    # ---- as a chat request ------------------------------------------------------------------------
+    def chat_request(self, conversation: list[dict]) -> ChatCompletionRequest:
+        """The chat request that serves this one: the instructions, then `conversation` (the messages of
+        a stored conversation this one continues, then the input's: `input_messages`)."""
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + conversation
+        if not messages:
+            raise bad_request("input must hold at least one message", "input")
+        chat: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
+                                "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
+                                "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls}
+        extra = self.model_extra or {}
+        chat.update((name, extra[name]) for name in _PASSED_ON if name in extra)
+        if self.tools:
+            chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        response_format = _response_format(self.text)
+        if response_format is not None:
+            chat["response_format"] = response_format
+        if self.wants_logprobs:
+            chat["logprobs"] = True
+            chat["top_logprobs"] = self.top_logprobs or 0
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+        except ValueError as exc:  # a field of the wrong type: the chat request's names are ours to map back
+            raise bad_request(f"invalid request: {exc}") from None
+
+    def input_messages(self) -> list[dict]:
+        """The input as chat messages: a text is one user message; items in order, consecutive function
+        calls joined into the assistant message before them (one turn's calls)."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        messages: list[dict] = []
+        for i, item in enumerate(self.input):
+            if not isinstance(item, dict):
+                raise bad_request(f"input[{i}] must be an object (an input item)", "input")
+            kind = item.get("type", "message")
+            if kind == "message":
+                role = item.get("role")
+                if not isinstance(role, str):
+                    raise bad_request(f"input[{i}]: a message needs a role", "input")
+                messages.append({"role": role, "content": _message_text(item.get("content"), i, role)})
+            elif kind == "function_call":
+                call = _call(item, i)
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                call_id = item.get("call_id")
+                if not isinstance(call_id, str):
+                    raise bad_request(f"input[{i}]: a function_call_output needs the call_id of the call it answers",
+                                      "input")
+                output = item.get("output")
+                text = output if isinstance(output, str) else _message_text(output, i, "tool")
+                messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            elif kind == "reasoning":
+                continue  # another model's reasoning: nothing this one reads
+            else:
+                raise bad_request(f"input[{i}]: items of type {kind!r} are not supported (message, function_call, "
+                                  "function_call_output)", "input")
+        return messages
+
+
+def _message_text(content, i: int, role: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"input[{i}].content must be a text or a list of content parts", "input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = _TEXT_PARTS.get(kind) or ("refusal" if kind == "refusal" and role == "assistant" else None)
+        if key is None or not isinstance(part.get(key), str):
+            raise bad_request(f"input[{i}]: only text content parts are supported, got {kind!r}", "input")
+        texts.append(part[key])
+    return "\n".join(texts)
+
+
+def _call(item: dict, i: int) -> dict:
+    name, arguments, call_id = item.get("name"), item.get("arguments", ""), item.get("call_id")
+    if not isinstance(name, str) or not isinstance(arguments, str) or not isinstance(call_id, str):
+        raise bad_request(f"input[{i}]: a function_call needs call_id, name and arguments (JSON text)", "input")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _chat_tool(tool, i: int) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise bad_request(f"tools[{i}]: only function tools are supported, got {kind!r}", "tools")
+    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice):
+    if isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+                      "tool_choice")
+
+
+def _response_format(text: dict | None) -> dict | None:
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("text.format json_schema needs a schema", "text")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"), "schema": fmt["schema"],
+                                                       "strict": fmt.get("strict")}}
+    raise bad_request(f"text.format type {kind!r} is not supported: text, json_object or json_schema", "text")
+
+
+# ---- the output -----------------------------------------------------------------------------------
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class _OpenItem:
+    item: dict
+    output_index: int
+    text: list[str] = field(default_factory=list)  # a message's text, or a call's arguments
+    logprobs: list[dict] = field(default_factory=list)
+
+
+class ResponseOutput:
+    """One response: the chat path's deltas (one choice) -> output items, and the stream's events."""
+
+    def __init__(self, body: ResponsesRequest, model: str):
+        self.body = body
+        self.response: dict[str, Any] = {
+            "id": _id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "background": False, "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "max_tool_calls": None, "model": model, "output": [],
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "store": body.store, "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": body.text or {"format": {"type": "text"}},
+            "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
+            "tools": body.tools or [], "top_logprobs": body.top_logprobs,
+            "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": body.truncation or "disabled",
+            "usage": None, "user": body.user, "metadata": body.metadata or {}}
+        self._sequence = 0
+        self._open: _OpenItem | None = None
+        self._calls: dict[int, _OpenItem] = {}  # the chat deltas' call index -> its item
+
+    @property
+    def id(self) -> str:
+        return self.response["id"]
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def _snapshot(self) -> dict:
+        return json.loads(json.dumps(self.response))  # the response as it is now, not as it will be
+
+    def start(self) -> list[dict]:
+        return [self._event("response.created", response=self._snapshot()),
+                self._event("response.in_progress", response=self._snapshot())]
+
+    def add(self, delta: Delta) -> list[dict]:
+        events: list[dict] = []
+        if delta.text:
+            open_ = self._open
+            if open_ is None or open_.item["type"] != "message":
+                events += self._close()
+                events += self._open_message()
+                open_ = self._open
+            logprobs = list(delta.logprobs) if isinstance(delta.logprobs, list) else []
+            open_.text.append(delta.text)
+            open_.logprobs += logprobs
+            events.append(self._event("response.output_text.delta", item_id=open_.item["id"],
+                                      output_index=open_.output_index, content_index=0, delta=delta.text,
+                                      logprobs=logprobs))
+        for call in delta.tool_calls or []:
+            item = self._calls.get(call["index"])
+            function = call.get("function") or {}
+            if item is None:
+                events += self._close()
+                item = self._calls[call["index"]] = self._open_item(
+                    {"id": _id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
+                     "call_id": call.get("id") or _id("call"), "name": function.get("name", "")})
+                events.append(self._event("response.output_item.added", output_index=item.output_index,
+                                          item=dict(item.item)))
+            if function.get("arguments"):
+                item.text.append(function["arguments"])
+                events.append(self._event("response.function_call_arguments.delta", item_id=item.item["id"],
+                                          output_index=item.output_index, delta=function["arguments"]))
+        return events
+
+    def _open_item(self, item: dict) -> _OpenItem:
+        self.response["output"].append(item)
+        self._open = _OpenItem(item, len(self.response["output"]) - 1)
+        return self._open
+
+    def _open_message(self) -> list[dict]:
+        item = self._open_item({"id": _id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
+                                "content": []})
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self._event("response.output_item.added", output_index=item.output_index, item=dict(item.item)),
+                self._event("response.content_part.added", item_id=item.item["id"], output_index=item.output_index,
+                            content_index=0, part=part)]
+
+    def _close(self, status: str = "completed", complete_calls: set[str] | None = None) -> list[dict]:
+        open_, self._open = self._open, None
+        if open_ is None:
+            return []
+        item, index = open_.item, open_.output_index
+        text = "".join(open_.text)
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": [],
+                    "logprobs": open_.logprobs if self.body.wants_logprobs else []}
+            item["content"] = [part]
+            item["status"] = status
+            return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                                text=text, logprobs=part["logprobs"]),
+                    self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                content_index=0, part=part),
+                    self._event("response.output_item.done", output_index=index, item=dict(item))]
+        item["arguments"] = text
+        finished = complete_calls is None or item["call_id"] in complete_calls
+        item["status"] = "completed" if finished else "incomplete"
+        return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=text, name=item["name"]),
+                self._event("response.output_item.done", output_index=index, item=dict(item))]
+
+    def finish(self, finish_reason: str | None, calls: ToolCallStream | None, usage: dict) -> list[dict]:
+        """The last events: open items closed, then `response.completed` (or `response.incomplete`, where
+        max_output_tokens cut the answer). The response is whole after it."""
+        cut = finish_reason == "length"
+        complete = {c.id for c in calls.reported_calls if c.complete} if calls is not None else None
+        events = self._close("incomplete" if cut else "completed", complete)
+        if not self.response["output"]:  # an empty answer is still a message, as OpenAI's
+            events += self._open_message()
+            events += self._close("incomplete" if cut else "completed")
+        self.response["status"] = "incomplete" if cut else "completed"
+        if cut:
+            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+        self.response["usage"] = {
+            "input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"]}
+        kind = "response.incomplete" if cut else "response.completed"
+        return events + [self._event(kind, response=self._snapshot())]
+
+    def failed(self, error: OpenAIError) -> list[dict]:
+        """A stream's end after its headers went: OpenAI's `error` event, then `response.failed`."""
+        self.response["status"] = "failed"
+        self.response["error"] = {"code": error.code or "server_error", "message": error.message}
+        return [self._event("error", code=error.code, message=error.message, param=error.param),
+                self._event("response.failed", response=self._snapshot())]
+
+    def as_messages(self) -> list[dict]:
+        """The output as chat messages, for a conversation that continues from this response."""
+        messages: list[dict] = []
+        for item in self.response["output"]:
+            if item["type"] == "message":
+                messages.append({"role": "assistant", "content": "".join(p["text"] for p in item["content"])})
+            elif item["type"] == "function_call" and item["status"] == "completed":
+                call = {"id": item["call_id"], "type": "function",
+                        "function": {"name": item["name"], "arguments": item["arguments"]}}
+                if messages and messages[-1]["role"] == "assistant":
+                    messages[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        return messages
+
+
+# ---- kept responses -------------------------------------------------------------------------------
+
+class ResponseStore:
+    """The last MAX_STORED responses, each with the conversation that led to it (its instructions
+    left out: OpenAI does not carry them to the next response)."""
+
+    def __init__(self, capacity: int = MAX_STORED):
+        self.capacity = capacity
+        self._kept: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def history(self, response_id: str) -> list[dict]:
+        if response_id not in self._kept:
+            raise OpenAIError(404, f"Previous response with id '{response_id}' not found: it was not stored "
+                              "(store false), or this server no longer keeps it (it keeps the last "
+                              f"{self.capacity}, and forgets them when it restarts)", "previous_response_not_found",
+                              "previous_response_id")
+        return [dict(m) for m in self._kept[response_id][1]]
+
+    def put(self, output: ResponseOutput, conversation: list[dict]) -> None:
+        self._kept[output.id] = (output.response, conversation + output.as_messages())
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str) -> dict:
+        if response_id not in self._kept:
+            raise OpenAIError(404, f"Response with id '{response_id}' not found", "not_found", "response_id")
+        return self._kept[response_id][0]
+
+    def delete(self, response_id: str) -> dict:
+        self.get(response_id)
+        del self._kept[response_id]
+        return {"id": response_id, "object": "response", "deleted": True}

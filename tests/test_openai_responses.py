@@ -1,0 +1,336 @@
+"""OpenAI's Responses API (`/v1/responses`): requests as chat requests, the chat path's deltas as output
+items and stream events (checked against the `openai` SDK's own types), and end to end with the SDK
+and LangChain's Responses mode against the OpenAI server in front of a real tritonserver."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import typing
+
+import pytest
+
+from tritonllm.openai.protocol import OpenAIError
+from tritonllm.openai.responses import Delta
+from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest, ResponseStore
+from tritonllm.openai.tool_parsers import FORMATS, ToolCallStream
+
+openai = pytest.importorskip("openai")  # the test extra installs it
+from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+MODEL = "smollm2"
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city now",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"], "additionalProperties": False}}
+# The SDK's event classes by their `type`.
+EVENTS = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
+          for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+
+
+def _events_are_the_sdks(events: list[dict]) -> list:
+    parsed = [EVENTS[e["type"]].model_validate(e) for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(events[0]["sequence_number"],
+                                                                events[0]["sequence_number"] + len(events)))
+    return parsed
+
+
+# ---- the request as a chat request ---------------------------------------------------------------
+
+def test_instructions_and_items_become_the_chat_messages_an_agent_loop_sends():
+    body = ResponsesRequest.model_validate({
+        "model": MODEL, "instructions": "Be brief.", "max_output_tokens": 40, "top_k": 5, "frobnicate": 1,
+        "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+        "text": {"format": {"type": "text"}}, "reasoning": None,
+        "input": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+             "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Paris"}', "status": "completed"},
+            {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Lyon"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
+            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "Rain"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"role": "developer", "content": [{"type": "input_text", "text": "Answer in French."}]}]})
+    body.check()
+    assert body.ignored_fields() == ["frobnicate"]  # top_k is vLLM's, passed on
+    chat = body.chat_request(body.input_messages())
+    chat.check()
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]
+    assert chat.template_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me look.",
+         "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                        for c in calls]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "Rain"},
+        {"role": "system", "content": "Answer in French."}]
+    assert chat.tools == [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description",
+                                                                                     "parameters")}}]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    sampling = chat.sampling_parameters()
+    assert sampling["max_tokens"] == 40 and sampling["top_k"] == 5 and sampling["temperature"] == 1.0
+    assert "guided_decoding" not in sampling
+
+
+def test_text_formats_and_logprobs_map_to_the_chat_fields():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = ResponsesRequest.model_validate({"input": "hi", "include": ["message.output_text.logprobs"],
+                                            "text": {"format": {"type": "json_schema", "name": "A", "schema": schema,
+                                                                "strict": True}}})
+    chat = body.chat_request(body.input_messages())
+    assert chat.sampling_parameters()["guided_decoding"] == {"json": schema}
+    assert chat.logprobs and chat.top_logprobs == 0
+    as_object = ResponsesRequest.model_validate({"input": "hi", "text": {"format": {"type": "json_object"}}})
+    assert as_object.chat_request(as_object.input_messages()).sampling_parameters()["guided_decoding"] == {"json_object": True}
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", "'input_image' are not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "only text"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "call_id"),
+    ({"input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": {}}]}, "input", "JSON text"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools", "only function tools"),
+    ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice", "tool_choice must be"),
+    ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "text", "not supported"),
+    ({"input": "hi", "background": True}, "background", "background"),
+    ({"input": ""}, "input", "empty"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+])
+def test_what_cannot_be_served_is_a_400_naming_the_field(fields, param, words):
+    body = ResponsesRequest.model_validate(fields)
+    with pytest.raises(OpenAIError) as info:
+        body.check()
+        body.chat_request(body.input_messages())
+    assert info.value.status == 400 and info.value.param == param and words in info.value.message
+
+
+# ---- deltas -> output items and events -------------------------------------------------------------
+
+def _hermes_deltas(text_pieces: list[str]) -> tuple[list[Delta], ToolCallStream]:
+    calls = ToolCallStream(FORMATS["hermes"])
+    deltas = []
+    for piece in text_pieces:
+        for part in calls.feed(piece):
+            deltas.append(Delta(0, part.get("content", ""), None, None, part.get("tool_calls")))
+    for part in calls.finish():
+        deltas.append(Delta(0, part.get("content", ""), None, None, part.get("tool_calls")))
+    return deltas, calls
+
+
+def test_text_then_a_call_are_a_message_and_a_function_call_in_the_sdks_shapes():
+    body = ResponsesRequest.model_validate({"input": "hi", "tools": [WEATHER]})
+    output = ResponseOutput(body, MODEL)
+    deltas, calls = _hermes_deltas(["Checking. ", "<tool_call>\n{\"name\": \"get_weather\", ",
+                                    "\"arguments\": {\"city\": ", "\"Paris\"}}\n</tool_call>"])
+    events = output.start()
+    for delta in deltas:
+        events += output.add(delta)
+    events += output.finish("stop", calls, {"prompt_tokens": 7, "completion_tokens": 20, "total_tokens": 27})
+    _events_are_the_sdks(events)
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-1] == "response.completed" and "response.function_call_arguments.done" in kinds
+    response = Response.model_validate(output.response)
+    assert response.status == "completed" and response.output_text == "Checking. "
+    message, call = response.output
+    assert message.type == "message" and message.status == "completed"
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.status == "completed" and call.call_id == calls.calls[0].id
+    deltas_text = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert deltas_text == call.arguments
+    assert response.usage.input_tokens == 7 and response.usage.output_tokens == 20
+    # The completed event carries the whole response; the created one the empty response of then.
+    assert events[0]["response"]["output"] == [] and events[-1]["response"] == output.response
+    # The next turn sees the call as the assistant's.
+    assert output.as_messages() == [{"role": "assistant", "content": "Checking. ", "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]}]
+
+
+def test_a_cut_answer_is_incomplete_and_an_empty_one_is_an_empty_message():
+    body = ResponsesRequest.model_validate({"input": "hi", "max_output_tokens": 3, "tools": [WEATHER]})
+    cut = ResponseOutput(body, MODEL)
+    deltas, calls = _hermes_deltas(["<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"ci"])
+    events = cut.start() + [e for d in deltas for e in cut.add(d)]
+    events += cut.finish("length", calls, {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4})
+    _events_are_the_sdks(events)
+    response = Response.model_validate(cut.response)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in response.output] == ["incomplete"] and events[-1]["type"] == "response.incomplete"
+    assert cut.as_messages() == []  # an unfinished call is not carried into the next turn
+
+    empty = ResponseOutput(ResponsesRequest.model_validate({"input": "hi"}), MODEL)
+    events = empty.start() + empty.finish("stop", None, {"prompt_tokens": 1, "completion_tokens": 1,
+                                                         "total_tokens": 2})
+    _events_are_the_sdks(events)
+    assert Response.model_validate(empty.response).output[0].content[0].text == ""
+
+
+def test_the_store_continues_conversations_forgets_the_oldest_and_404s_the_unknown():
+    store = ResponseStore(capacity=2)
+    outputs = []
+    for k in range(3):
+        body = ResponsesRequest.model_validate({"input": f"question {k}", "instructions": "not carried"})
+        output = ResponseOutput(body, MODEL)
+        output.add(Delta(0, f"answer {k}", None, None))
+        output.finish("stop", None, {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2})
+        store.put(output, body.input_messages())
+        outputs.append(output)
+    assert store.history(outputs[2].id) == [{"role": "user", "content": "question 2"},
+                                            {"role": "assistant", "content": "answer 2"}]
+    assert store.get(outputs[1].id)["output"][0]["content"][0]["text"] == "answer 1"
+    with pytest.raises(OpenAIError) as info:
+        store.history(outputs[0].id)
+    assert info.value.status == 404 and info.value.param == "previous_response_id"
+    assert store.delete(outputs[1].id)["deleted"] is True
+    with pytest.raises(OpenAIError):
+        store.get(outputs[1].id)
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def client(openai_tools_client):
+    return openai_tools_client  # conftest.py's: the OpenAI server with the tool template and parser
+
+
+
+@pytest.mark.server
+def test_the_sdk_gets_the_chat_answer_whole_streamed_and_continued(client):
+    question = "What is the capital of France? Answer in one word."
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                          max_tokens=12, temperature=0)
+    whole = client.responses.create(model=MODEL, input=question, max_output_tokens=12, temperature=0)
+    assert whole.status in ("completed", "incomplete") and whole.output_text == chat.choices[0].message.content
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+
+    scored = client.responses.create(model=MODEL, input=question, max_output_tokens=12, temperature=0, top_logprobs=2,
+                                     include=["message.output_text.logprobs"])
+    chat_scored = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                                 max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    assert [(t.token, t.logprob, len(t.top_logprobs)) for t in scored.output[0].content[0].logprobs] == [
+        (t.token, t.logprob, len(t.top_logprobs)) for t in chat_scored.choices[0].logprobs.content]
+
+    with client.responses.stream(model=MODEL, input=question, max_output_tokens=12, temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == whole.output_text
+
+    # previous_response_id continues the conversation; the response is kept and can be deleted.
+    follow = client.responses.create(model=MODEL, input="And of Italy?", previous_response_id=whole.id,
+                                     max_output_tokens=12, temperature=0)
+    history = [{"role": "user", "content": question}, {"role": "assistant", "content": whole.output_text},
+               {"role": "user", "content": "And of Italy?"}]
+    same = client.chat.completions.create(model=MODEL, messages=history, max_tokens=12, temperature=0)
+    assert follow.output_text == same.choices[0].message.content
+    assert client.responses.retrieve(follow.id).output_text == follow.output_text
+    client.responses.delete(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_unknown", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model=MODEL, input=[{"type": "input_image", "image_url": "x"}])
+    assert bad.value.body["param"] == "input"
+
+
+@pytest.mark.server
+def test_a_named_function_is_called_with_schema_valid_arguments_whole_and_streamed(client):
+    question = "What is the weather in Paris?"
+    named = {"type": "function", "name": "get_weather"}
+    whole = client.responses.create(model=MODEL, input=question, tools=[WEATHER], tool_choice=named,
+                                    max_output_tokens=48, temperature=0)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].status == "completed"
+    assert set(json.loads(calls[0].arguments)) == {"city"}
+    with client.responses.stream(model=MODEL, input=question, tools=[WEATHER], tool_choice=named,
+                                 max_output_tokens=48, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert streamed == calls[0].arguments == final.output[-1].arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+@pytest.mark.server
+def test_langchain_in_responses_mode_runs_a_two_turn_tool_loop(openai_tools_server):
+    """LangChain's ChatOpenAI with use_responses_api: a call, the tool's result, then the final answer."""
+    import langchain_openai  # the test extra installs it
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+
+    seen = []
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city now."""
+        seen.append(city)
+        return "Sunny, 21 degrees celsius"
+
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{openai_tools_server}/v1", api_key="unused", temperature=0,
+                                      max_tokens=64, max_retries=0, timeout=600, use_responses_api=True)
+    messages = [HumanMessage("What is the weather in Paris?")]
+    first = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(messages)
+    assert len(first.tool_calls) == 1 and first.tool_calls[0]["name"] == "get_weather"
+    assert first.response_metadata["id"].startswith("resp_")  # a Responses API answer
+    messages += [first, get_weather.invoke(first.tool_calls[0])]
+    assert seen and isinstance(seen[0], str)
+    final = llm.bind_tools([get_weather], tool_choice="none").invoke(messages)
+    assert final.tool_calls == [] and final.text.strip()
+
+
+@pytest.mark.server
+def test_the_openai_agents_sdk_runs_a_tool_loop_streams_and_fills_a_structured_output(openai_tools_server):
+    """The OpenAI Agents SDK on its default model, the Responses API: the forced call, the tool's result,
+    then the answer (the SDK lets the model choose after a call: "auto"); a call streamed; and an
+    `output_type`, which the SDK asks for as a JSON schema and parses, streamed."""
+    import agents  # the test extra installs it
+    from pydantic import BaseModel
+
+    agents.set_tracing_disabled(True)  # its traces would go to OpenAI
+    model = agents.OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=f"{openai_tools_server}/v1", api_key="unused", timeout=600, max_retries=0))
+    cities = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city now."""
+        cities.append(city)
+        return "Sunny, 21 degrees celsius"
+
+    class Forecast(BaseModel):
+        city: str
+        sunny: bool
+
+    settings = agents.ModelSettings(tool_choice="get_weather", max_tokens=64, temperature=0)
+    agent = agents.Agent(name="weather", instructions="Answer weather questions with the get_weather tool.",
+                         model=model, tools=[get_weather], model_settings=settings)
+    # The tool's result is the answer: one model turn, streamed.
+    caller = agent.clone(tool_use_behavior="stop_on_first_tool")
+    forecaster = agents.Agent(name="forecast", instructions="Fill the forecast.", model=model, output_type=Forecast,
+                              model_settings=agents.ModelSettings(max_tokens=64, temperature=0))
+
+    async def streamed(which, question):
+        run = agents.Runner.run_streamed(which, question, max_turns=2)
+        kinds = [event.data.type async for event in run.stream_events() if event.type == "raw_response_event"]
+        return run, kinds
+
+    async def run():
+        whole = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+        return whole, await streamed(caller, "What is the weather in Lyon?"), await streamed(forecaster, "Paris is sunny.")
+
+    whole, (called, call_kinds), (forecast, forecast_kinds) = asyncio.run(run())
+    assert [type(item).__name__ for item in whole.new_items] == ["ToolCallItem", "ToolCallOutputItem",
+                                                                 "MessageOutputItem"]
+    assert isinstance(whole.final_output, str) and whole.final_output.strip()
+    assert called.final_output == "Sunny, 21 degrees celsius" and len(cities) == 2 and all(cities)
+    assert {"response.function_call_arguments.delta", "response.function_call_arguments.done",
+            "response.completed"} <= set(call_kinds)
+    assert isinstance(forecast.final_output, Forecast) and forecast.final_output.city
+    assert {"response.output_text.delta", "response.output_text.done", "response.completed"} <= set(forecast_kinds)
