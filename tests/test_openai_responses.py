@@ -190,6 +190,14 @@ def test_the_store_continues_conversations_forgets_the_oldest_and_404s_the_unkno
     assert store.delete(outputs[1].id)["deleted"] is True
     with pytest.raises(OpenAIError):
         store.get(outputs[1].id)
+    # A byte budget too: a response larger than it stays alone (the one just made is always kept).
+    small = ResponseStore(capacity=10, max_bytes=1)
+    for output in outputs:
+        small.put(output, [])
+    assert small.get(outputs[2].id)["id"] == outputs[2].id
+    for gone in outputs[:2]:
+        with pytest.raises(OpenAIError):
+            small.get(gone.id)
 
 
 # ---- end to end ------------------------------------------------------------------------------------

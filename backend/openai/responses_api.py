@@ -26,6 +26,7 @@ from tritonllm.openai.responses import Delta
 from tritonllm.openai.tool_parsers import ToolCallStream
 
 MAX_STORED = 2048  # responses kept for previous_response_id; the oldest go first
+MAX_STORED_BYTES = 256 << 20  # and at most this much of their JSON (long conversations are kept whole)
 # vLLM's sampling fields that a Responses request may carry too (as extra body fields), passed on as
 # the chat endpoint passes them.
 _PASSED_ON = tuple(name for name in PASSED_ON if name != "n") + ("logit_bias",)
@@ -360,12 +361,14 @@ class ResponseOutput:
 # ---- kept responses -------------------------------------------------------------------------------
 
 class ResponseStore:
-    """The last MAX_STORED responses, each with the conversation that led to it (its instructions
-    left out: OpenAI does not carry them to the next response)."""
+    """The last MAX_STORED responses (fewer where they hold more than MAX_STORED_BYTES), each with the
+    conversation that led to it (its instructions left out: OpenAI does not carry them to the next
+    response)."""
 
-    def __init__(self, capacity: int = MAX_STORED):
-        self.capacity = capacity
-        self._kept: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+    def __init__(self, capacity: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._kept: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self._bytes = 0
 
     def history(self, response_id: str) -> list[dict]:
         if response_id not in self._kept:
@@ -376,9 +379,12 @@ class ResponseStore:
         return [dict(m) for m in self._kept[response_id][1]]
 
     def put(self, output: ResponseOutput, conversation: list[dict]) -> None:
-        self._kept[output.id] = (output.response, conversation + output.as_messages())
-        while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
+        whole = conversation + output.as_messages()
+        size = len(json.dumps(output.response)) + len(json.dumps(whole))
+        self._kept[output.id] = (output.response, whole, size)
+        self._bytes += size
+        while len(self._kept) > self.capacity or (self._bytes > self.max_bytes and len(self._kept) > 1):
+            self._bytes -= self._kept.popitem(last=False)[1][2]
 
     def get(self, response_id: str) -> dict:
         if response_id not in self._kept:
@@ -387,5 +393,5 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> dict:
         self.get(response_id)
-        del self._kept[response_id]
+        self._bytes -= self._kept.pop(response_id)[2]
         return {"id": response_id, "object": "response", "deleted": True}
