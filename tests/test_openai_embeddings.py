@@ -74,6 +74,10 @@ def test_base64_is_the_same_vectors(api, client, reference):
     raw = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in body["data"]]
     floats = client.embeddings.create(model=MODEL, input=TEXTS[:2], encoding_format="float")
     np.testing.assert_array_equal(np.stack(raw), np.array([d.embedding for d in floats.data], dtype=np.float32))
+    # Explicit nulls are the fields' defaults (float), as in the other endpoints.
+    status, body = _post(f"{api}/v1/embeddings", {"model": MODEL, "input": TEXTS[:2], "encoding_format": None,
+                                                  "dimensions": None, "user": None})
+    assert status == 200 and body["data"][0]["embedding"] == floats.data[0].embedding, body
 
 
 def test_token_ids_embed_as_their_text(client, reference, st_model):

@@ -23,10 +23,10 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 from tritonclient.utils import InferenceServerException
 
-from tritonllm.openai.protocol import OpenAIError, bad_request
+from tritonllm.openai.protocol import OpenAIError, RequestBody, bad_request
 from tritonllm.openai.triton import TritonBackend, load_once
 
 # tritonclient reports a failed call's gRPC status as the text of its StatusCode.
@@ -71,11 +71,9 @@ class EmbeddingModel:
         return any(tensor["name"] == "normalize" for tensor in self.config.get("input", []))
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(RequestBody):
     """OpenAI's embeddings body, with vLLM's `normalize` and `add_special_tokens`. Fields of neither
-    are ignored, as vLLM's server does."""
-
-    model_config = ConfigDict(extra="allow")
+    are ignored, as vLLM's server does; a null field is one left unset."""
 
     model: str | None = None
     input: object = None  # str | list[str] | list[int] | list[list[int]], checked by `inputs()`
