@@ -85,6 +85,9 @@ def test_text_formats_and_logprobs_map_to_the_chat_fields():
     chat = body.chat_request(body.input_messages())
     assert chat.sampling_parameters()["guided_decoding"] == {"json": schema}
     assert chat.logprobs and chat.top_logprobs == 0
+    # As OpenAI's and vLLM's: top_logprobs alone asks for nothing; `include` does.
+    alone = ResponsesRequest.model_validate({"input": "hi", "top_logprobs": 3})
+    assert not alone.chat_request(alone.input_messages()).logprobs
     as_object = ResponsesRequest.model_validate({"input": "hi", "text": {"format": {"type": "json_object"}}})
     assert as_object.chat_request(as_object.input_messages()).sampling_parameters()["guided_decoding"] == {"json_object": True}
 
@@ -100,6 +103,14 @@ def test_text_formats_and_logprobs_map_to_the_chat_fields():
     ({"input": "hi", "background": True}, "background", "background"),
     ({"input": ""}, "input", "empty"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", "not supported"),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt", "not supported"),
+    ({"input": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "flat"),
+    ({"input": "hi", "tools": [{"type": "function", "name": 5}]}, "tools", "tools[0].name"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input", "function_call_output"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input", "input[0].output"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input", "text as a string"),
+    ({"input": "hi", "seed": "x"}, "seed", "seed: "),
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_field(fields, param, words):
     body = ResponsesRequest.model_validate(fields)
@@ -186,10 +197,20 @@ def test_the_store_continues_conversations_forgets_the_oldest_and_404s_the_unkno
     assert store.get(outputs[1].id)["output"][0]["content"][0]["text"] == "answer 1"
     with pytest.raises(OpenAIError) as info:
         store.history(outputs[0].id)
-    assert info.value.status == 404 and info.value.param == "previous_response_id"
+    assert info.value.status == 400 and info.value.param == "previous_response_id"  # OpenAI's status
     assert store.delete(outputs[1].id)["deleted"] is True
     with pytest.raises(OpenAIError):
         store.get(outputs[1].id)
+    # The input items of a kept response, a page at a time.
+    body = ResponsesRequest.model_validate({"input": [{"role": "user", "content": f"q{k}"} for k in range(5)]})
+    output = ResponseOutput(body, MODEL)
+    output.finish("stop", None, {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1})
+    store.put(output, body.input_messages(), body.input_items())
+    first = store.input_items(output.id, limit=2)
+    assert [i["content"][0]["text"] for i in first["data"]] == ["q4", "q3"] and first["has_more"]
+    rest = store.input_items(output.id, after=first["last_id"], limit=10)
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["q2", "q1", "q0"] and not rest["has_more"]
+    assert store.input_items(output.id, order="asc", limit=1)["data"][0]["content"][0]["type"] == "input_text"
     # A byte budget too: a response larger than it stays alone (the one just made is always kept).
     small = ResponseStore(capacity=10, max_bytes=1)
     for output in outputs:
@@ -241,11 +262,29 @@ def test_the_sdk_gets_the_chat_answer_whole_streamed_and_continued(client):
     client.responses.delete(follow.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(follow.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):  # OpenAI's status for it
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_unknown", max_output_tokens=2)
+    # The input items, as OpenAI lists them (newest first by default).
+    items = client.responses.input_items.list(whole.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", question)]
+    # Arguments nested deeper than Python's JSON reader goes are passed on as text, not a 500.
+    deep = "[" * 1100 + "]" * 1100
+    nested = client.responses.create(model=MODEL, max_output_tokens=2, input=[
+        {"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": deep},
+        {"type": "function_call_output", "call_id": "c", "output": "x"}])
+    assert nested.status in ("completed", "incomplete")
     with pytest.raises(openai.BadRequestError) as bad:
         client.responses.create(model=MODEL, input=[{"type": "input_image", "image_url": "x"}])
     assert bad.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as wrong_type:  # pydantic's union members are not fields
+        client.responses.create(model=MODEL, input=5)
+    assert wrong_type.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as out_of_range:  # the model's refusal, naming the field
+        client.responses.create(model=MODEL, input="hi", temperature=-1)
+    assert out_of_range.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=100_000)
+    assert too_long.value.body["param"] == "max_output_tokens"
 
 
 @pytest.mark.server

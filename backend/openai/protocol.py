@@ -261,7 +261,7 @@ def _template_call(call: dict) -> dict:
     if isinstance(function.get("arguments"), str):
         try:
             function["arguments"] = json.loads(function["arguments"])
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nested too deep for Python: the template gets the text
             pass
     return {**call, "function": function}
 

@@ -21,9 +21,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from pydantic import ValidationError
+
 from tritonllm.openai.protocol import PASSED_ON, ChatCompletionRequest, OpenAIError, RequestBody, bad_request
 from tritonllm.openai.responses import Delta
-from tritonllm.openai.tool_parsers import ToolCallStream
+from tritonllm.openai.tool_parsers import TOOL_NAME, ToolCallStream
 
 MAX_STORED = 2048  # responses kept for previous_response_id; the oldest go first
 MAX_STORED_BYTES = 256 << 20  # and at most this much of their JSON (long conversations are kept whole)
@@ -32,6 +34,16 @@ MAX_STORED_BYTES = 256 << 20  # and at most this much of their JSON (long conver
 _PASSED_ON = tuple(name for name in PASSED_ON if name != "n") + ("logit_bias",)
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "summary_text": "text"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_ROLES = ("user", "assistant", "system", "developer")
+# The chat request's fields that errors name -> the Responses request's field that set them.
+_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+           "response_format": "text", "logprobs": "top_logprobs"}
+
+
+def in_request_terms(error: OpenAIError) -> OpenAIError:
+    """An error of the chat request that serves a Responses request, naming the field the client sent."""
+    error.param = _FIELDS.get(error.param, error.param)
+    return error
 
 
 class ResponsesRequest(RequestBody):
@@ -60,6 +72,10 @@ class ResponsesRequest(RequestBody):
     stream_options: dict | None = None  # OpenAI's `include_obfuscation`: nothing to obfuscate here
 
     def check(self) -> None:
+        for name, what in (("conversation", "conversations (send the items, or previous_response_id)"),
+                           ("prompt", "stored prompt templates (send the instructions and input)")):
+            if (self.model_extra or {}).get(name) is not None:
+                raise bad_request(f"{name} is not supported: this server keeps no {what}", name)
         if self.background:
             raise bad_request("background responses are not supported: ask with stream true, or wait for the "
                               "answer", "background")
@@ -76,7 +92,8 @@ class ResponsesRequest(RequestBody):
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or [])
+        # As OpenAI's and vLLM's: `include` asks for them; `top_logprobs` says how many alternatives.
+        return LOGPROBS_INCLUDE in (self.include or [])
 
     # ---- as a chat request ------------------------------------------------------------------------
     def chat_request(self, conversation: list[dict]) -> ChatCompletionRequest:
@@ -102,8 +119,24 @@ class ResponsesRequest(RequestBody):
             chat["top_logprobs"] = self.top_logprobs or 0
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
-        except ValueError as exc:  # a field of the wrong type: the chat request's names are ours to map back
-            raise bad_request(f"invalid request: {exc}") from None
+        except ValidationError as exc:  # a passed-on field of the wrong type: it has the request's name
+            first = exc.errors()[0]
+            field = str(first["loc"][0]) if first.get("loc") else None
+            raise bad_request(f"{field}: {first.get('msg')}" if field else str(first.get("msg")), field) from None
+
+    def input_items(self) -> list[dict]:
+        """The input as OpenAI lists a response's input items: each an object with an `id`, a message's
+        text as a content part."""
+        raw = [{"type": "message", "role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        items = []
+        for item in raw:
+            item = {"type": "message", **item}
+            if item["type"] == "message" and isinstance(item.get("content"), str):
+                kind = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": kind, "text": item["content"]}]
+            item.setdefault("id", _id({"message": "msg", "function_call": "fc"}.get(item["type"], "item")))
+            items.append(item)
+        return items
 
     def input_messages(self) -> list[dict]:
         """The input as chat messages: a text is one user message; items in order, consecutive function
@@ -117,8 +150,9 @@ class ResponsesRequest(RequestBody):
             kind = item.get("type", "message")
             if kind == "message":
                 role = item.get("role")
-                if not isinstance(role, str):
-                    raise bad_request(f"input[{i}]: a message needs a role", "input")
+                if role not in _ROLES:
+                    raise bad_request(f"input[{i}]: a message's role is one of {', '.join(_ROLES)}, got {role!r} "
+                                      "(a tool's result is a function_call_output item)", "input")
                 messages.append({"role": role, "content": _message_text(item.get("content"), i, role)})
             elif kind == "function_call":
                 call = _call(item, i)
@@ -132,8 +166,7 @@ class ResponsesRequest(RequestBody):
                 if not isinstance(call_id, str):
                     raise bad_request(f"input[{i}]: a function_call_output needs the call_id of the call it answers",
                                       "input")
-                output = item.get("output")
-                text = output if isinstance(output, str) else _message_text(output, i, "tool")
+                text = _message_text(item.get("output"), i, "tool", "output")
                 messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
             elif kind == "reasoning":
                 continue  # another model's reasoning: nothing this one reads
@@ -143,17 +176,19 @@ class ResponsesRequest(RequestBody):
         return messages
 
 
-def _message_text(content, i: int, role: str) -> str:
+def _message_text(content, i: int, role: str, field: str = "content") -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise bad_request(f"input[{i}].content must be a text or a list of content parts", "input")
+        raise bad_request(f"input[{i}].{field} must be a text or a list of content parts", "input")
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         key = _TEXT_PARTS.get(kind) or ("refusal" if kind == "refusal" and role == "assistant" else None)
-        if key is None or not isinstance(part.get(key), str):
-            raise bad_request(f"input[{i}]: only text content parts are supported, got {kind!r}", "input")
+        if key is None:
+            raise bad_request(f"input[{i}].{field}: only text content parts are supported, got {kind!r}", "input")
+        if not isinstance(part.get(key), str):
+            raise bad_request(f"input[{i}].{field}: a part of type {kind!r} needs its {key} as a string", "input")
         texts.append(part[key])
     return "\n".join(texts)
 
@@ -169,6 +204,12 @@ def _chat_tool(tool, i: int) -> dict:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else None
         raise bad_request(f"tools[{i}]: only function tools are supported, got {kind!r}", "tools")
+    if "name" not in tool and isinstance(tool.get("function"), dict):
+        raise bad_request(f"tools[{i}]: the Responses API's function tools are flat, {{\"type\": \"function\", "
+                          "\"name\": ..., \"parameters\": ...}, not chat's {\"function\": {...}}", "tools")
+    if not isinstance(tool.get("name"), str) or not TOOL_NAME.match(tool["name"]):
+        raise bad_request(f"tools[{i}].name must be 1 to 64 letters, digits, '_' or '-', got {tool.get('name')!r}",
+                          "tools")
     function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
     return {"type": "function", "function": function}
 
@@ -226,7 +267,7 @@ class ResponseOutput:
             "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": body.store, "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": body.text or {"format": {"type": "text"}},
-            "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [], "top_logprobs": body.top_logprobs,
             "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": body.truncation or "disabled",
             "usage": None, "user": body.user, "metadata": body.metadata or {}}
@@ -338,7 +379,9 @@ class ResponseOutput:
     def failed(self, error: OpenAIError) -> list[dict]:
         """A stream's end after its headers went: OpenAI's `error` event, then `response.failed`."""
         self.response["status"] = "failed"
-        self.response["error"] = {"code": error.code or "server_error", "message": error.message}
+        # OpenAI's codes for a failed response: the request's fault, or the server's.
+        code = "invalid_prompt" if 400 <= error.status < 500 else "server_error"
+        self.response["error"] = {"code": code, "message": error.message}
         return [self._event("error", code=error.code, message=error.message, param=error.param),
                 self._event("response.failed", response=self._snapshot())]
 
@@ -367,24 +410,46 @@ class ResponseStore:
 
     def __init__(self, capacity: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
         self.capacity, self.max_bytes = capacity, max_bytes
-        self._kept: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        # id -> (the response, the conversation through it, its input items, their size)
+        self._kept: OrderedDict[str, tuple[dict, list[dict], list[dict], int]] = OrderedDict()
         self._bytes = 0
 
     def history(self, response_id: str) -> list[dict]:
         if response_id not in self._kept:
-            raise OpenAIError(404, f"Previous response with id '{response_id}' not found: it was not stored "
+            raise OpenAIError(400, f"Previous response with id '{response_id}' not found: it was not stored "
                               "(store false), or this server no longer keeps it (it keeps the last "
                               f"{self.capacity}, and forgets them when it restarts)", "previous_response_not_found",
                               "previous_response_id")
         return [dict(m) for m in self._kept[response_id][1]]
 
-    def put(self, output: ResponseOutput, conversation: list[dict]) -> None:
+    def put(self, output: ResponseOutput, conversation: list[dict], items: list[dict] | None = None) -> None:
+        """Keep `output`'s response, with `conversation` (the messages it answered, instructions left out)
+        and its request's input `items` (ResponsesRequest.input_items)."""
         whole = conversation + output.as_messages()
-        size = len(json.dumps(output.response)) + len(json.dumps(whole))
-        self._kept[output.id] = (output.response, whole, size)
+        items = items or []
+        size = len(json.dumps(output.response)) + len(json.dumps(whole)) + len(json.dumps(items))
+        self._kept[output.id] = (output.response, whole, items, size)
         self._bytes += size
         while len(self._kept) > self.capacity or (self._bytes > self.max_bytes and len(self._kept) > 1):
-            self._bytes -= self._kept.popitem(last=False)[1][2]
+            self._bytes -= self._kept.popitem(last=False)[1][3]
+
+    def input_items(self, response_id: str, after: str | None = None, limit: int = 20, order: str = "desc") -> dict:
+        """OpenAI's list of a response's input items, a page at a time (newest first unless order=asc)."""
+        self.get(response_id)
+        if not 1 <= limit <= 100:
+            raise bad_request(f"limit must be in [1, 100], got {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", "order")
+        items = self._kept[response_id][2]
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise bad_request(f"after: no input item {after!r} in response {response_id}", "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
     def get(self, response_id: str) -> dict:
         if response_id not in self._kept:
@@ -393,5 +458,5 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> dict:
         self.get(response_id)
-        self._bytes -= self._kept.pop(response_id)[2]
+        self._bytes -= self._kept.pop(response_id)[3]
         return {"id": response_id, "object": "response", "deleted": True}

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 
 from tritonllm.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, check_context, warn_ignored
 from tritonllm.openai.responses import Choices
-from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest, ResponseStore
+from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest, ResponseStore, in_request_terms
 from tritonllm.openai.token_bytes import token_bytes_of
 from tritonllm.openai.tool_parsers import FORMATS
 from tritonllm.openai.tools import ToolSettings, plan_tools, read_chat_template
@@ -143,15 +143,25 @@ async def _load_tokenizers(backend: TritonBackend, wait_s: float = 1800, poll_s:
         await asyncio.sleep(poll_s)
 
 
+def _where(loc) -> str:
+    """A pydantic error's place as a field path: without `body`, nor the union member it tried (`str`,
+    `list[dict[str,any]]`), which names no field of the request."""
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(p for k, p in enumerate(parts) if k == 0 or not (p in _TYPE_NAMES or "[" in p))
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _invalid(errors: list[dict]) -> OpenAIError:
     """pydantic's complaints as one 400, naming the first field at fault."""
     problems = []
     for error in errors:
-        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        where = _where(error.get("loc", ()))
         problems.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
-    first = errors[0].get("loc", ()) if errors else ()
-    param = ".".join(str(p) for p in first if p != "body") or None
-    return OpenAIError(400, "; ".join(problems) or "invalid request body", "invalid_request", param)
+    param = _where(errors[0].get("loc", ())) if errors else ""
+    return OpenAIError(400, "; ".join(dict.fromkeys(problems)) or "invalid request body", "invalid_request",
+                       param or None)
 
 
 async def _parse(model_class, raw: Request):
@@ -192,6 +202,13 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         return JSONResponse(_invalid(exc.errors()).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception):
+        """A failure of this server's own: logged, and answered in OpenAI's shape (clients read `error`)."""
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(OpenAIError(500, f"{type(exc).__name__}: {exc}", "internal_error").body(),
+                            status_code=500)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -307,16 +324,24 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
         conversation = (stored.history(body.previous_response_id) if body.previous_response_id else [])
         conversation += body.input_messages()
         chat = body.chat_request(conversation)
-        chat.check()
         output = ResponseOutput(body, "")
-        model, requests, choices = await prepare_chat(chat, output.id)
-        output.response["model"] = model.name
-        return await _answer_response(backend, raw, body, requests, choices, output,
-                                      lambda: stored.put(output, conversation) if body.store else None)
+        try:
+            chat.check()
+            model, requests, choices = await prepare_chat(chat, output.id)
+            output.response["model"] = model.name
+            items = body.input_items() if body.store else None
+            return await _answer_response(backend, raw, body, requests, choices, output,
+                                          lambda: stored.put(output, conversation, items) if body.store else None)
+        except OpenAIError as exc:
+            raise in_request_terms(exc) from None
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
         return stored.get(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, after: str | None = None, limit: int = 20, order: str = "desc"):
+        return stored.input_items(response_id, after, limit, order)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
@@ -359,8 +384,11 @@ async def _answer_response(backend: TritonBackend, raw: Request, body: Responses
                         yield _sse_event(event)
             for event in ending():
                 yield _sse_event(event)
-        except OpenAIError as exc:
-            for event in output.failed(exc):
+        except Exception as exc:  # noqa: BLE001 - after the first event: the stream ends as failed, never cut
+            if not isinstance(exc, OpenAIError):
+                logger.exception("response %s failed", output.id)
+                exc = OpenAIError(500, f"{type(exc).__name__}: {exc}", "internal_error")
+            for event in output.failed(in_request_terms(exc)):
                 yield _sse_event(event)
 
     return await _run(raw, jobs, body.stream, whole, events)

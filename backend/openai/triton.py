@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 from tritonllm.core.multi_lora import read_multi_lora
 from tritonllm.core.parameters import ConfigError
-from tritonllm.openai.protocol import OpenAIError
+from tritonllm.openai.protocol import PASSED_ON, OpenAIError
 from tritonllm.core.error_kinds import KIND_PARAMETER, split_kind
 
 K = TypeVar("K")
@@ -39,6 +40,9 @@ _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND
 # request asks (core/error_kinds.py: the header that would make it the stream's status crashes
 # tritonserver 2.51). A message without a kind is tritonserver's own, or another model's.
 _KIND_STATUS = {"invalid_argument": 400, "unavailable": 503, "internal": 500}
+# The model's sampling parameters that its messages name -> the request field that sets each.
+_PARAMETER_FIELDS = {name: name for name in PASSED_ON + ("temperature", "max_tokens", "logit_bias", "top_logprobs")}
+_PARAMETER_FIELDS["logprobs"] = "top_logprobs"  # "logprobs (top_logprobs: ...)": how many top log-probs
 _CODES = {400: "invalid_request", 404: "model_not_found", 503: "unavailable", 500: "internal_error"}
 _DRAIN_S = 5.0  # after the final response, how long the stream's clean end is waited for
 
@@ -137,10 +141,13 @@ def error_from_grpc(exc: grpc.aio.AioRpcError) -> OpenAIError:
 
 
 def error_in_stream(message: str) -> OpenAIError:
-    """The OpenAI error of a request's error message inside its stream."""
+    """The OpenAI error of a request's error message inside its stream; `param` is the request field it
+    starts by naming (the model's messages about a sampling parameter do: "temperature must be ...")."""
     kind, message = split_kind(message)
     status = _KIND_STATUS.get(kind, 500)
-    return OpenAIError(status, message, _CODES[status])
+    named = re.match(r"([a-z_]+) ", message)
+    param = _PARAMETER_FIELDS.get(named.group(1)) if named and status == 400 else None
+    return OpenAIError(status, message, _CODES[status], param)
 
 
 @dataclass
