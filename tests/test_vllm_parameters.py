@@ -3,6 +3,8 @@ detokenize, spaces_between_special_tokens and stream_interval; offline and throu
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -92,6 +94,17 @@ def test_a_prompt_of_token_ids_leads_the_whole_text_as_the_text_it_spells_and_ta
     assert assembler.take_outputs()["text_output"].tolist() == [b"!"]
     with pytest.raises(InvalidRequestError, match="apply_chat_template takes a text_input"):
         parse_request({"input_ids": ids, "apply_chat_template": np.array([True])}, None)
+
+
+def test_json_nested_deeper_than_python_reads_is_a_request_error_not_an_internal_one():
+    deep = "[" * 100_000 + "]" * 100_000
+    for sampling in (deep, '{"stop": ' + deep + "}"):
+        with pytest.raises(InvalidRequestError, match="nested too deeply"):
+            parse_request({"text_input": np.array([b"hi"], dtype=np.object_),
+                           "sampling_parameters": np.array([sampling.encode()], dtype=np.object_)}, None)
+    # As a request parameter (a scalar: JSON text), it is read as the one stop string it is.
+    as_text = parse_request({"text_input": np.array([b"hi"], dtype=np.object_)}, json.dumps({"stop": deep}))
+    assert as_text.params.stop == [deep]
 
 
 def _output(ids: list[int]) -> RequestOutput:

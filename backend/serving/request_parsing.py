@@ -83,7 +83,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
     if parameters_json:
         try:
             request_params = json.loads(parameters_json)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             request_params = {}
         for key, value in request_params.items():
             if key in _FLAGS:
@@ -93,7 +93,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
                 if opener and isinstance(value, str) and value.startswith(opener):
                     try:
                         value = json.loads(value)
-                    except json.JSONDecodeError:
+                    except (json.JSONDecodeError, RecursionError):  # left as text: its check names the field
                         pass
                 sampling[key] = value
 
@@ -104,6 +104,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
                 from_json = json.loads(raw)
             except json.JSONDecodeError as exc:
                 raise InvalidRequestError(f"sampling_parameters is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise InvalidRequestError("sampling_parameters is nested too deeply to read") from None
             if not isinstance(from_json, dict):
                 raise InvalidRequestError("sampling_parameters must be a JSON object")
             sampling.update(from_json)
