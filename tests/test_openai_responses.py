@@ -303,6 +303,17 @@ def test_a_named_function_is_called_with_schema_valid_arguments_whole_and_stream
     streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert streamed == calls[0].arguments == final.output[-1].arguments
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    # A text format beside tools (an Agents SDK output_type with tools): calls, or text in that format.
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}}, "required": ["answer"],
+              "additionalProperties": False}
+    for choice in ("auto", "required"):
+        both = client.responses.create(model=MODEL, input=question, tools=[WEATHER], tool_choice=choice,
+                                       text={"format": {"type": "json_schema", "name": "a", "schema": schema}},
+                                       parallel_tool_calls=False, max_output_tokens=48, temperature=0)
+        assert both.status == "completed", both
+        texts = [item for item in both.output if item.type == "message"]
+        made = [item for item in both.output if item.type == "function_call"]
+        assert (made and not texts) or (set(json.loads(both.output_text)) == {"answer"} and choice == "auto")
 
 
 @pytest.mark.server

@@ -189,6 +189,12 @@ def test_choices_stream_chunks_and_whole_message_with_tools():
     assert message["content"] is None
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
         (c["name"], c["arguments"]) for c in calls]
+    # Cut by max_tokens before any call was whole: the whole message is empty too, as the stream was.
+    cut = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, tools=plan)
+    deltas = cut.add(0, TritonOutput(texts=['<tool_call>\n{"name": "get_'], token_counts=[12],
+                                     finish_reasons=["length"], num_input_tokens=5, final=True))
+    assert all(not d.text for d in deltas)
+    assert cut.response("id", MODEL, False)["choices"][0]["message"] == {"role": "assistant", "content": ""}
 
 
 # ---- requests: plans, guides and refusals ------------------------------------------------------------
@@ -233,13 +239,25 @@ def test_guides_compile_for_each_choice():
       "tool_choice": "required"}, "tools", "is not a JSON schema that can be followed"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
       "tool_choice": "required"}, "tools", "must describe an object"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "[a-z]+"}, "response_format",
      "cannot be combined"),
 ])
 def test_bad_tool_requests_are_refused_naming_the_field(fields, param, words):
     with pytest.raises(OpenAIError) as info:
         plan_tools(_request(**fields), SERVING)
     assert info.value.status == 400 and info.value.param == param and words in info.value.message
+
+
+def test_a_response_format_beside_tools_guides_the_text_answer_and_leaves_the_calls_to_their_schemas():
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    auto = plan_tools(_request(tools=[WEATHER], response_format=fmt), SERVING)
+    assert auto.guide["grammar"].startswith("start: answer | call") and '"answer"' in auto.guide["grammar"]
+    compile_grammar(auto.guide["grammar"])
+    as_object = plan_tools(_request(tools=[WEATHER], response_format={"type": "json_object"}), SERVING)
+    compile_grammar(as_object.guide["grammar"])
+    required = plan_tools(_request(tools=[WEATHER], tool_choice="required", response_format=fmt), SERVING)
+    assert required.guide == plan_tools(_request(tools=[WEATHER], tool_choice="required"), SERVING).guide
 
 
 def test_auto_needs_the_servers_parser_as_vllm_says():

@@ -23,10 +23,9 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
-from pydantic import ValidationError
 from tritonclient.utils import InferenceServerException
 
-from tritonllm.openai.protocol import OpenAIError, RequestBody, bad_request
+from tritonllm.openai.protocol import OpenAIError, RequestBody, bad_request, parse_body
 from tritonllm.openai.triton import TritonBackend, load_once
 
 # tritonclient reports a failed call's gRPC status as the text of its StatusCode.
@@ -276,13 +275,7 @@ def register_embeddings(app: FastAPI, backend: TritonBackend) -> None:
 
     @app.post("/v1/embeddings")
     async def embeddings(raw: Request):
-        try:
-            body = EmbeddingRequest.model_validate_json(await raw.body())
-        except ValidationError as exc:
-            first = ".".join(str(p) for p in exc.errors()[0].get("loc", ())) if exc.errors() else ""
-            raise bad_request(f"invalid request body: {exc.errors()[0].get('msg') if exc.errors() else exc}"
-                              + (f" ({first})" if first else ""), first or None) from None
-        return await front.create(body)
+        return await front.create(parse_body(EmbeddingRequest, await raw.body()))
 
     # The model routes answer for the generate models; these wrap them, so that whatever those answer
     # (and however they change) stays, with the embedding models added. Put first: the first route

@@ -12,7 +12,8 @@ import json
 import logging
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tritonllm.core.sampling_params import MAX_N
 
@@ -40,6 +41,40 @@ class OpenAIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request", param)
+
+
+def _where(loc) -> str:
+    """A pydantic error's place as a field path: without `body` or `query`, nor the union member it tried
+    (`str`, `list[dict[str,any]]`), which names no field of the request."""
+    parts = [str(p) for p in loc if p not in ("body", "query")]
+    return ".".join(p for k, p in enumerate(parts) if k == 0 or not (p in _TYPE_NAMES or "[" in p))
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def invalid(errors: list[dict]) -> OpenAIError:
+    """pydantic's complaints as one 400, naming the first field at fault."""
+    problems = []
+    for error in errors:
+        where = _where(error.get("loc", ()))
+        problems.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
+    param = _where(errors[0].get("loc", ())) if errors else ""
+    return OpenAIError(400, "; ".join(dict.fromkeys(problems)) or "invalid request body", "invalid_request",
+                       param or None)
+
+
+def parse_body(model_class, data: bytes):
+    """A request body as `model_class`, or a 400. JSON only: NaN and Infinity, which Python's JSON writes
+    but JSON has not, are refused here (echoed back, they would make the answer no JSON either)."""
+    try:
+        value = pydantic_core.from_json(data, allow_inf_nan=False)
+    except ValueError as exc:
+        raise OpenAIError(400, f"the request body is not valid JSON: {exc}", "invalid_request") from None
+    try:
+        return model_class.model_validate(value)
+    except ValidationError as exc:
+        raise invalid(exc.errors()) from None
 
 
 def check_context(max_model_len: int | None, num_input_tokens: int, max_tokens: int | None,
@@ -93,6 +128,16 @@ class RequestBody(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+    def field_of(self, name: str) -> str:
+        """The field of this request that sets the model's parameter (or the chat request's field) `name`."""
+        return name
+
+    def named(self, error: OpenAIError) -> OpenAIError:
+        """`error`, its `param` the field this request's client sent."""
+        if error.param is not None:
+            error.param = self.field_of(error.param)
+        return error
 
 
 class _Request(RequestBody):
@@ -343,6 +388,11 @@ class ChatCompletionRequest(_Request):
         kwargs.update(add_generation_prompt=self.add_generation_prompt,
                       continue_final_message=self.continue_final_message)
         return kwargs
+
+    def field_of(self, name: str) -> str:
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "top_logprobs" if name == "logprobs" else name
 
     @property
     def max_new_tokens(self) -> int | None:

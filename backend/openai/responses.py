@@ -172,10 +172,11 @@ class Choices:
             if self.chat:
                 message = {"role": "assistant", "content": text}
                 calls = self._calls[index]
-                if calls is not None:
+                if calls is not None:  # the text outside calls: markup (even cut short) is not content
                     complete = [c.message() for c in calls.reported_calls if c.complete]
+                    message["content"] = calls.text_content() if complete else (calls.text_content() or "")
                     if complete:
-                        message = {"role": "assistant", "content": calls.text_content(), "tool_calls": complete}
+                        message["tool_calls"] = complete
                 choice = {"index": index, "message": message,
                           "logprobs": {"content": c.chat_logprobs} if want_logprobs else None,
                           "finish_reason": c.finish_reason}

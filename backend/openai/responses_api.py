@@ -15,6 +15,7 @@ this server forgets them.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -35,15 +36,9 @@ _PASSED_ON = tuple(name for name in PASSED_ON if name != "n") + ("logit_bias",)
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "summary_text": "text"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _ROLES = ("user", "assistant", "system", "developer")
-# The chat request's fields that errors name -> the Responses request's field that set them.
+# The chat request's fields (and the model's parameters) that errors name -> the Responses request's.
 _FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
            "response_format": "text", "logprobs": "top_logprobs"}
-
-
-def in_request_terms(error: OpenAIError) -> OpenAIError:
-    """An error of the chat request that serves a Responses request, naming the field the client sent."""
-    error.param = _FIELDS.get(error.param, error.param)
-    return error
 
 
 class ResponsesRequest(RequestBody):
@@ -86,6 +81,20 @@ class ResponsesRequest(RequestBody):
                               "max_output_tokens")
         if isinstance(self.input, str) and not self.input:
             raise bad_request("input must not be empty", "input")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise bad_request(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs}", "top_logprobs")
+
+    def field_of(self, name: str) -> str:
+        return _FIELDS.get(name, name)
+
+    def named(self, error: OpenAIError) -> OpenAIError:
+        """An error of the chat request that serves this one, in this request's words."""
+        super().named(error)
+        if error.param == "tools":  # the chat form's path to a tool's fields; the Responses form is flat
+            error.message = re.sub(r"tools\[(\d+)\]\.function\.", r"tools[\1].", error.message)
+        if error.param == "max_output_tokens":
+            error.message = error.message.replace("'max_tokens' or 'max_completion_tokens'", "'max_output_tokens'")
+        return error
 
     def ignored_fields(self) -> list[str]:
         return sorted(name for name in self.model_extra or {} if name not in _PASSED_ON)

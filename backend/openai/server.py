@@ -27,12 +27,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from tritonllm.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, check_context, warn_ignored
+from tritonllm.openai.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, check_context, invalid,
+                                      parse_body, warn_ignored)
 from tritonllm.openai.responses import Choices
-from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest, ResponseStore, in_request_terms
+from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest, ResponseStore
 from tritonllm.openai.token_bytes import token_bytes_of
 from tritonllm.openai.tool_parsers import FORMATS
 from tritonllm.openai.tools import ToolSettings, plan_tools, read_chat_template
@@ -42,6 +42,34 @@ logger = logging.getLogger("tritonllm.openai")
 
 DEFAULT_PORT = 9000  # scripts/serve.sh's; tritonllm-serve starts this server only with --openai-port
 OPTIONS_ENV = "TRITONLLM_OPENAI_ARGS"  # more options, e.g. "--enable-auto-tool-choice --tool-call-parser hermes"
+
+
+class _AnswerUnexpected:
+    """A failure of this server's own, before its answer started: logged, and answered with a 500 in
+    OpenAI's shape (clients read `error`). Not as an exception handler: Starlette re-raises after those,
+    and the connection is then dropped under the client's next request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:  # noqa: BLE001 - answered, and logged with its traceback
+            if started:
+                raise
+            logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=exc)
+            error = OpenAIError(500, f"{type(exc).__name__}: {exc}", "internal_error")
+            await JSONResponse(error.body(), status_code=500)(scope, receive, send)
 
 
 class _ClientGone(Exception):
@@ -143,33 +171,9 @@ async def _load_tokenizers(backend: TritonBackend, wait_s: float = 1800, poll_s:
         await asyncio.sleep(poll_s)
 
 
-def _where(loc) -> str:
-    """A pydantic error's place as a field path: without `body`, nor the union member it tried (`str`,
-    `list[dict[str,any]]`), which names no field of the request."""
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(p for k, p in enumerate(parts) if k == 0 or not (p in _TYPE_NAMES or "[" in p))
-
-
-_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-def _invalid(errors: list[dict]) -> OpenAIError:
-    """pydantic's complaints as one 400, naming the first field at fault."""
-    problems = []
-    for error in errors:
-        where = _where(error.get("loc", ()))
-        problems.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
-    param = _where(errors[0].get("loc", ())) if errors else ""
-    return OpenAIError(400, "; ".join(dict.fromkeys(problems)) or "invalid request body", "invalid_request",
-                       param or None)
-
-
 async def _parse(model_class, raw: Request):
     """The JSON body, whatever the Content-Type says (curl -d sends form encoding unless told)."""
-    try:
-        return model_class.model_validate_json(await raw.body())
-    except ValidationError as exc:
-        raise _invalid(exc.errors()) from None
+    return parse_body(model_class, await raw.body())
 
 
 def _sse(data) -> str:
@@ -201,14 +205,9 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
-        return JSONResponse(_invalid(exc.errors()).body(), status_code=400)
+        return JSONResponse(invalid(exc.errors()).body(), status_code=400)
 
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, exc: Exception):
-        """A failure of this server's own: logged, and answered in OpenAI's shape (clients read `error`)."""
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(OpenAIError(500, f"{type(exc).__name__}: {exc}", "internal_error").body(),
-                            status_code=500)
+    app.add_middleware(_AnswerUnexpected)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -249,6 +248,9 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
     @app.post("/v1/completions")
     async def completions(raw: Request):
         body = await _parse(CompletionRequest, raw)
+        return await _in_its_words(body, complete(raw, body))
+
+    async def complete(raw: Request, body: CompletionRequest):
         body.check()
         body.warn_ignored()
         model = await backend.model(body.model)
@@ -282,6 +284,9 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         body = await _parse(ChatCompletionRequest, raw)
+        return await _in_its_words(body, chat(raw, body))
+
+    async def chat(raw: Request, body: ChatCompletionRequest):
         body.check()
         body.warn_ignored()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -323,17 +328,17 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
         warn_ignored(body.ignored_fields())
         conversation = (stored.history(body.previous_response_id) if body.previous_response_id else [])
         conversation += body.input_messages()
-        chat = body.chat_request(conversation)
+        chat = body.chat_request(conversation)  # its errors name the Responses fields already
+        return await _in_its_words(body, respond(raw, body, conversation, chat))
+
+    async def respond(raw: Request, body: ResponsesRequest, conversation: list[dict], chat: ChatCompletionRequest):
+        chat.check()
         output = ResponseOutput(body, "")
-        try:
-            chat.check()
-            model, requests, choices = await prepare_chat(chat, output.id)
-            output.response["model"] = model.name
-            items = body.input_items() if body.store else None
-            return await _answer_response(backend, raw, body, requests, choices, output,
-                                          lambda: stored.put(output, conversation, items) if body.store else None)
-        except OpenAIError as exc:
-            raise in_request_terms(exc) from None
+        model, requests, choices = await prepare_chat(chat, output.id)
+        output.response["model"] = model.name
+        items = body.input_items() if body.store else None
+        return await _answer_response(backend, raw, body, requests, choices, output,
+                                      lambda: stored.put(output, conversation, items) if body.store else None)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
@@ -350,6 +355,14 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
     from tritonllm.openai.embeddings import register_embeddings  # /v1/embeddings (embeddings.py)
     register_embeddings(app, backend)
     return app
+
+
+async def _in_its_words(body, work):
+    """Await a request's `work`; its errors name the fields this request's client sent (RequestBody.named)."""
+    try:
+        return await work
+    except OpenAIError as exc:
+        raise body.named(exc) from None
 
 
 def _sse_event(event: dict) -> str:
@@ -388,7 +401,7 @@ async def _answer_response(backend: TritonBackend, raw: Request, body: Responses
             if not isinstance(exc, OpenAIError):
                 logger.exception("response %s failed", output.id)
                 exc = OpenAIError(500, f"{type(exc).__name__}: {exc}", "internal_error")
-            for event in output.failed(in_request_terms(exc)):
+            for event in output.failed(body.named(exc)):
                 yield _sse_event(event)
 
     return await _run(raw, jobs, body.stream, whole, events)
@@ -418,7 +431,7 @@ async def _answer(backend: TritonBackend, raw: Request, body, model: str, reques
             if final_usage:
                 yield _sse(choices.chunk(request_id, model, [], choices.usage()))
         except OpenAIError as exc:  # after the headers: the error goes in the stream, as vLLM's does
-            yield _sse(exc.body())
+            yield _sse(body.named(exc).body())
         yield "data: [DONE]\n\n"
 
     return await _run(raw, jobs, body.stream, whole, events)

@@ -113,17 +113,20 @@ def _with_options(schema: dict) -> dict:
     return {**schema, "x-guidance": {**json_compile_options(None), "lenient": True}}
 
 
-def forced_grammar(fmt: CallFormat, schemas: dict[str, dict], parallel: bool) -> str:
+def forced_grammar(fmt: CallFormat, schemas: dict[str, dict], parallel: bool, answer: dict | None = None) -> str:
     """A Lark grammar (llguidance's) for answers that are calls only: one, or several joined by the
-    format's separator."""
+    format's separator; with `answer` (a JSON schema), or else a JSON text that follows it."""
     rules = []
     alternatives = []
     for k, (name, schema) in enumerate(schemas.items()):
         rules.append(f"call_{k}: {_lark_string(fmt.call_prefix(name))} args_{k} {_lark_string(fmt.call_suffix())}")
         rules.append(f"args_{k}: %json {json.dumps(_with_options(schema), ensure_ascii=False)}")
         alternatives.append(f"call_{k}")
-    start = f"start: call ({_lark_string(fmt.separator)} call)*" if parallel else "start: call"
-    return "\n".join([start, "call: " + " | ".join(alternatives), *rules])
+    calls = f"call ({_lark_string(fmt.separator)} call)*" if parallel else "call"
+    if answer is not None:
+        rules.append(f"answer: %json {json.dumps(_with_options(answer), ensure_ascii=False)}")
+        calls = f"answer | {calls}"
+    return "\n".join([f"start: {calls}", "call: " + " | ".join(alternatives), *rules])
 
 
 def structural_tag(fmt: CallFormat, schemas: dict[str, dict]) -> dict:
@@ -161,9 +164,7 @@ def plan_tools(body, settings: ToolSettings) -> ToolPlan | None:
     template_tools = [{"type": "function", "function": f} for f in functions]
     if choice == "none":
         return ToolPlan(template_tools, None, None)
-    if body._guided_decoding() is not None:
-        raise bad_request("response_format and guided decoding fields cannot be combined with tools (tool_choice "
-                          "other than 'none'): the calls are guided already", "response_format")
+    answer_schema = _answer_schema(body)
     if choice == "auto":
         if not settings.enable_auto_tool_choice or settings.tool_call_parser is None:
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
@@ -179,5 +180,25 @@ def plan_tools(body, settings: ToolSettings) -> ToolPlan | None:
     if choice == "required":
         return ToolPlan(template_tools, fmt, {"grammar": forced_grammar(fmt, schemas, parallel)}, named=False,
                         max_calls=None if parallel else 1)
+    if answer_schema is not None:  # calls, or an answer in the response format: one or the other
+        return ToolPlan(template_tools, fmt, {"grammar": forced_grammar(fmt, schemas, parallel, answer_schema)},
+                        named=False, max_calls=None if parallel else 1)
     return ToolPlan(template_tools, fmt, {"structural_tag": structural_tag(fmt, schemas)}, named=False,
                     max_calls=None if parallel else 1)
+
+
+def _answer_schema(body) -> dict | None:
+    """The JSON schema a text answer must follow beside tools (response_format json_schema or
+    json_object), as OpenAI serves the two together; None without one. A call's arguments follow its
+    tool's schema, so under "required" or a named function the format has nothing to guide. Other
+    guides beside tools: 400."""
+    guide = body._guided_decoding()
+    if guide is None:
+        return None
+    if set(guide) == {"json"} and isinstance(guide["json"], dict):
+        return closed_objects(guide["json"])
+    if set(guide) == {"json_object"}:
+        return {"type": "object"}
+    raise bad_request("guided decoding fields (regex, choice, grammar, structural tags) cannot be combined with "
+                      "tools (tool_choice other than 'none'): the calls are guided already; response_format "
+                      "json_schema and json_object can", "response_format")

@@ -40,9 +40,9 @@ _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND
 # request asks (core/error_kinds.py: the header that would make it the stream's status crashes
 # tritonserver 2.51). A message without a kind is tritonserver's own, or another model's.
 _KIND_STATUS = {"invalid_argument": 400, "unavailable": 503, "internal": 500}
-# The model's sampling parameters that its messages name -> the request field that sets each.
-_PARAMETER_FIELDS = {name: name for name in PASSED_ON + ("temperature", "max_tokens", "logit_bias", "top_logprobs")}
-_PARAMETER_FIELDS["logprobs"] = "top_logprobs"  # "logprobs (top_logprobs: ...)": how many top log-probs
+# The model's sampling parameters that its messages start by naming; each request class says which of
+# its fields sets each (RequestBody.field_of).
+_PARAMETERS = frozenset(PASSED_ON + ("temperature", "max_tokens", "logit_bias", "logprobs", "best_of"))
 _CODES = {400: "invalid_request", 404: "model_not_found", 503: "unavailable", 500: "internal_error"}
 _DRAIN_S = 5.0  # after the final response, how long the stream's clean end is waited for
 
@@ -146,7 +146,7 @@ def error_in_stream(message: str) -> OpenAIError:
     kind, message = split_kind(message)
     status = _KIND_STATUS.get(kind, 500)
     named = re.match(r"([a-z_]+) ", message)
-    param = _PARAMETER_FIELDS.get(named.group(1)) if named and status == 400 else None
+    param = named.group(1) if named and status == 400 and named.group(1) in _PARAMETERS else None
     return OpenAIError(status, message, _CODES[status], param)
 
 
