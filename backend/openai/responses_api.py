@@ -130,8 +130,8 @@ class ResponsesRequest(RequestBody):
             return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
         except ValidationError as exc:  # a passed-on field of the wrong type: it has the request's name
             first = exc.errors()[0]
-            field = str(first["loc"][0]) if first.get("loc") else None
-            raise bad_request(f"{field}: {first.get('msg')}" if field else str(first.get("msg")), field) from None
+            name = str(first["loc"][0]) if first.get("loc") else None
+            raise bad_request(f"{name}: {first.get('msg')}" if name else str(first.get("msg")), name) from None
 
     def input_items(self) -> list[dict]:
         """The input as OpenAI lists a response's input items: each an object with an `id`, a message's
