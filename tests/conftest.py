@@ -128,14 +128,14 @@ def _session_triton_server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def openai_tools_server(_session_triton_server, tmp_path_factory):
-    """Our OpenAI server with the shipped tool template and the hermes parser, beside the session's
-    tritonserver (smollm2): the tool call and Responses API tests' (test_openai_tools.py,
-    test_openai_responses.py)."""
+    """Our OpenAI server with the shipped tool template, the hermes parser and the qwen3 reasoning parser
+    (as vLLM serves Qwen3), beside the session's tritonserver (smollm2): the tool call, Responses API and
+    reasoning tests' (test_openai_tools.py, test_openai_responses.py, test_openai_reasoning.py)."""
     from openai_front import openai_front
 
     log = tmp_path_factory.mktemp("openai-tools") / "openai.log"
     with openai_front(_session_triton_server.grpc_url, log, "--chat-template", "chatml_hermes_tools",
-                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
                       ready_path="/v1/models", ready_text="smollm2") as base:
         yield base
 

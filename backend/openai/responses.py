@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tritonllm.openai.reasoning import ReasoningStream
 from tritonllm.openai.tool_parsers import ToolCallStream
 from tritonllm.openai.tools import ToolPlan
 from tritonllm.openai.triton import TritonOutput
@@ -38,6 +39,7 @@ class Delta:
     logprobs: dict | list | None
     finish_reason: str | None
     tool_calls: list[dict] | None = None  # chat with tools: this delta's part of the calls
+    reasoning: str = ""  # chat with a reasoning parser: this delta's thinking (before its text)
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -53,9 +55,11 @@ class Choices:
     """The state of one request's choices: `add` each Triton response, then build the object or chunks."""
 
     def __init__(self, chat: bool, n: int, num_prompts: int, top_logprobs: int | None, echo: list[str] | None = None,
-                 tools: ToolPlan | None = None, token_bytes: Callable[[int], bytes | None] | None = None):
+                 tools: ToolPlan | None = None, token_bytes: Callable[[int], bytes | None] | None = None,
+                 thinking: bool | None = None):
         """`token_bytes`: token id -> its own bytes (token_bytes.py), for chat log-probs' `bytes`; None: the
-        UTF-8 of each token's text."""
+        UTF-8 of each token's text. `thinking`: chat with a reasoning parser (reasoning.py), whether the
+        answer starts inside the thinking block; None: no parser."""
         self.chat, self.n, self.top_n = chat, n, top_logprobs
         self._token_bytes = token_bytes
         self.choices = [_Choice() for _ in range(n * num_prompts)]
@@ -63,6 +67,9 @@ class Choices:
         self._tools = tools
         self._calls: list[ToolCallStream | None] = [tools.stream() if tools is not None else None
                                                     for _ in self.choices]
+        # With a reasoning parser: each choice's thinking is read apart from its answer first.
+        self._reasoning = [ReasoningStream(thinking=thinking) if thinking is not None else None
+                           for _ in self.choices]
         self.prompt_tokens = [0] * num_prompts
         self.prompt_logprobs: list = [None] * num_prompts
         self._echo = echo  # completions with echo: each prompt's text, leading its choices' text
@@ -85,23 +92,37 @@ class Choices:
             logprobs = None
             if out.top_logprobs is not None and i < len(out.top_logprobs):
                 logprobs = self._logprobs(choice, out.top_logprobs[i])
+            reasoning = ""
+            thoughts = self._reasoning[index]
+            if thoughts is not None:
+                reasoning, text = thoughts.feed(text)
+                if out.final:
+                    more, rest = thoughts.finish()
+                    reasoning, text = reasoning + more, text + rest
             choice.text.append(text)
             choice.text_length += len(text)
             calls = self._calls[index]
             if calls is not None:
-                deltas += self._tool_deltas(index, calls, text, logprobs, out)
+                deltas += self._tool_deltas(index, calls, text, logprobs, out, reasoning)
                 continue
             if out.final and out.finish_reasons is not None:
                 choice.finish_reason = _finish_reason(out.finish_reasons[i])
-            if text or logprobs or (out.final and choice.finish_reason is not None):
-                deltas.append(Delta(index, text, logprobs, choice.finish_reason if out.final else None))
+            if text or logprobs or reasoning or (out.final and choice.finish_reason is not None):
+                deltas.append(Delta(index, text, logprobs, choice.finish_reason if out.final else None,
+                                    reasoning=reasoning))
         return deltas
+
+    def reasoning(self, index: int) -> str | None:
+        """Choice `index`'s thinking so far: None without a reasoning parser, or where it had none."""
+        thoughts = self._reasoning[index]
+        return ("".join(thoughts.reasoning) or None) if thoughts is not None else None
 
     def tool_calls(self, index: int) -> ToolCallStream | None:
         """Choice `index`'s calls as read so far (None without tools, or with tool_choice "none")."""
         return self._calls[index]
 
-    def _tool_deltas(self, index: int, calls: ToolCallStream, text: str, logprobs, out: TritonOutput) -> list[Delta]:
+    def _tool_deltas(self, index: int, calls: ToolCallStream, text: str, logprobs, out: TritonOutput,
+                     reasoning: str = "") -> list[Delta]:
         """A chat choice with tools: its new text as content and tool call deltas, each a chunk of its own."""
         parts = calls.feed(text)
         choice = self.choices[index]
@@ -114,6 +135,8 @@ class Choices:
                     reason = "tool_calls"
                 choice.finish_reason = reason
         deltas = [Delta(index, part.get("content", ""), None, None, part.get("tool_calls")) for part in parts]
+        if reasoning:
+            deltas.insert(0, Delta(index, "", None, None, reasoning=reasoning))
         if logprobs and not deltas:
             deltas.append(Delta(index, "", None, None))
         if out.final and choice.finish_reason is not None and not deltas:
@@ -177,6 +200,8 @@ class Choices:
                     message["content"] = calls.text_content() if complete else (calls.text_content() or "")
                     if complete:
                         message["tool_calls"] = complete
+                if self._reasoning[index] is not None:  # vLLM's field, and its name before
+                    message["reasoning"] = message["reasoning_content"] = self.reasoning(index)
                 choice = {"index": index, "message": message,
                           "logprobs": {"content": c.chat_logprobs} if want_logprobs else None,
                           "finish_reason": c.finish_reason}
@@ -208,6 +233,8 @@ class Choices:
     def delta_choice(self, delta: Delta) -> dict:
         if self.chat:
             message = {"content": delta.text} if delta.text else {}
+            if delta.reasoning:
+                message["reasoning"] = message["reasoning_content"] = delta.reasoning
             if delta.tool_calls:
                 message["tool_calls"] = delta.tool_calls
             choice = {"index": delta.index, "delta": message,

@@ -30,9 +30,11 @@ from tritonllm.openai.tool_parsers import TOOL_NAME, ToolCallStream
 
 MAX_STORED = 2048  # responses kept for previous_response_id; the oldest go first
 MAX_STORED_BYTES = 256 << 20  # and at most this much of their JSON (long conversations are kept whole)
-# vLLM's sampling fields that a Responses request may carry too (as extra body fields), passed on as
-# the chat endpoint passes them.
-_PASSED_ON = tuple(name for name in PASSED_ON if name != "n") + ("logit_bias",)
+# vLLM's sampling and guided decoding fields that a Responses request may carry too (as extra body
+# fields), passed on as the chat endpoint passes them.
+_PASSED_ON = tuple(name for name in PASSED_ON if name != "n") + (
+    "logit_bias", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
+    "structured_outputs")
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "summary_text": "text"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _ROLES = ("user", "assistant", "system", "developer")
@@ -62,7 +64,7 @@ class ResponsesRequest(RequestBody):
     metadata: dict | None = None
     user: str | None = None
     truncation: str | None = None
-    reasoning: dict | None = None  # accepted: the models here do not reason
+    reasoning: dict | None = None  # accepted (effort is the model's own); thinking: --reasoning-parser
     background: bool | None = None
     stream_options: dict | None = None  # OpenAI's `include_obfuscation`: nothing to obfuscate here
 
@@ -302,6 +304,17 @@ class ResponseOutput:
 
     def add(self, delta: Delta) -> list[dict]:
         events: list[dict] = []
+        if delta.reasoning:  # a reasoning model's thinking: an item of its own, before the answer's
+            open_ = self._open
+            if open_ is None or open_.item["type"] != "reasoning":
+                events += self._close()
+                open_ = self._open_item({"id": _id("rs"), "type": "reasoning", "status": "in_progress", "summary": [],
+                                         "content": []})
+                events.append(self._event("response.output_item.added", output_index=open_.output_index,
+                                          item=dict(open_.item)))
+            open_.text.append(delta.reasoning)
+            events.append(self._event("response.reasoning_text.delta", item_id=open_.item["id"],
+                                      output_index=open_.output_index, content_index=0, delta=delta.reasoning))
         if delta.text:
             open_ = self._open
             if open_ is None or open_.item["type"] != "message":
@@ -349,6 +362,12 @@ class ResponseOutput:
             return []
         item, index = open_.item, open_.output_index
         text = "".join(open_.text)
+        if item["type"] == "reasoning":
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            item["status"] = status
+            return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=text),
+                    self._event("response.output_item.done", output_index=index, item=dict(item))]
         if item["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": [],
                     "logprobs": open_.logprobs if self.body.wants_logprobs else []}
@@ -372,7 +391,7 @@ class ResponseOutput:
         cut = finish_reason == "length"
         complete = {c.id for c in calls.reported_calls if c.complete} if calls is not None else None
         events = self._close("incomplete" if cut else "completed", complete)
-        if not self.response["output"]:  # an empty answer is still a message, as OpenAI's
+        if all(item["type"] == "reasoning" for item in self.response["output"]):  # an empty answer is still a message
             events += self._open_message()
             events += self._close("incomplete" if cut else "completed")
         self.response["status"] = "incomplete" if cut else "completed"

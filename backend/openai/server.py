@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 
 from tritonllm.openai.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, check_context, invalid,
                                       parse_body, warn_ignored)
+from tritonllm.openai.reasoning import PARSERS, prompt_opens_thinking
 from tritonllm.openai.responses import Choices
 from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest, ResponseStore
 from tritonllm.openai.token_bytes import token_bytes_of
@@ -180,10 +181,12 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def create_app(triton_url: str, tools: ToolSettings | None = None, model_repository: str | None = None) -> FastAPI:
+def create_app(triton_url: str, tools: ToolSettings | None = None, model_repository: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """The app; `tools`: the chat template and tool call options (vLLM's --chat-template,
     --enable-auto-tool-choice, --tool-call-parser), for every generate model; `model_repository`: where the
-    models' multi_lora.json files are (their LoRA adapters then are models here too)."""
+    models' multi_lora.json files are (their LoRA adapters then are models here too); `reasoning_parser`:
+    vLLM's --reasoning-parser (reasoning.py)."""
     backend = TritonBackend(triton_url, model_repository)
     tools = tools or ToolSettings()
 
@@ -315,8 +318,11 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
         check_context(model.max_model_len, len(ids), body.max_new_tokens, body.truncate_prompt_tokens)
         sampling = body.sampling_parameters(plan.guide if plan is not None else None)
         requests = [TritonRequest(model, list(ids), sampling, body.stream, body.return_logprobs, request_id)]
+        thinking = None
+        if reasoning_parser is not None:  # does the prompt leave the model inside a thinking block?
+            thinking = prompt_opens_thinking(tokenizer.decode(list(ids[-16:])))
         choices = Choices(chat=True, n=body.n, num_prompts=1, top_logprobs=body.top_logprobs, tools=plan,
-                          token_bytes=token_bytes_of(tokenizer) if body.logprobs else None)
+                          token_bytes=token_bytes_of(tokenizer) if body.logprobs else None, thinking=thinking)
         return model, requests, choices
 
     stored = ResponseStore()
@@ -499,6 +505,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help='serve tool_choice "auto" (needs --tool-call-parser)')
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(FORMATS),
                         help="how the models write tool calls")
+    parser.add_argument("--reasoning-parser", default=None, choices=PARSERS,
+                        help="give a reasoning model's thinking (between <think> and </think>) apart from its answer: "
+                             "chat's `reasoning`, a Responses API reasoning item")
     # Options for this server from the environment, before the command line's: how they reach it when
     # tritonllm-serve (scripts/serve.sh) starts it.
     argv = shlex.split(os.environ.get(OPTIONS_ENV, "")) + list(sys.argv[1:] if argv is None else argv)
@@ -513,8 +522,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     if args.exit_with_parent:
         _exit_with_parent(os.getppid())
-    uvicorn.run(create_app(args.triton_url, tools, args.model_repository), host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.run(create_app(args.triton_url, tools, args.model_repository, args.reasoning_parser), host=args.host,
+                port=args.port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
 
 
 def start_server(triton_url: str, host: str, port: int, log_level: str = "warning",

@@ -21,7 +21,8 @@ def openai_options(args: argparse.Namespace) -> list[str]:
     """The OpenAI server's own options among tritonllm-serve's, as its command line takes them."""
     return [*(["--chat-template", args.chat_template] if args.chat_template is not None else []),
             *(["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []),
-            *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])]
+            *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
+            *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else [])]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -46,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='the OpenAI API serves tool_choice "auto" (with --tool-call-parser)')
     parser.add_argument("--tool-call-parser", default=None, help="how the models write tool calls: hermes or llama3_json")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="the OpenAI API gives a reasoning model's thinking apart: deepseek_r1 or qwen3")
     supervision_cli.add_arguments(parser)
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]

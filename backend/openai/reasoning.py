@@ -1,0 +1,80 @@
+"""A reasoning model's thinking, apart from its answer (vLLM's `--reasoning-parser`).
+
+DeepSeek-R1, QwQ and Qwen3 think between `<think>` and `</think>`, then answer. Their chat templates
+differ in where the block opens: in the prompt (R1's, Qwen3.5's: the output starts inside it and only
+`</think>` comes out) or in the output (Qwen3's first releases). So one reader serves every such model:
+the rendered prompt's end says whether the answer starts inside the block (`prompt_opens_thinking`),
+and a `<think>` at the very start of the output opens it too. Text up to `</think>` is reasoning, the
+rest is the answer; an answer that never closes the block is all reasoning (it was cut while thinking).
+vLLM's parser names, `deepseek_r1` and `qwen3`, both select this reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+START, END = "<think>", "</think>"
+PARSERS = ("deepseek_r1", "qwen3")
+
+
+def prompt_opens_thinking(prompt_tail: str) -> bool:
+    """Whether a prompt ending with this text leaves the model inside a thinking block."""
+    return prompt_tail.rfind(START) > prompt_tail.rfind(END)
+
+
+def _held(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could be the start of `marker` (held back until known)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class ReasoningStream:
+    """One choice's text, fed piece by piece -> (reasoning, answer) of each piece, in order."""
+
+    thinking: bool = False  # inside the block now
+    reasoning: list[str] = field(default_factory=list)
+    _buffer: str = ""
+    _opening: bool = True  # nothing but whitespace has come yet
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._buffer += text
+        reasoning, answer = [], []
+        while self._buffer:
+            if self._opening:  # a `<think>` first opens the block (or is dropped, where the prompt opened it)
+                head = self._buffer.lstrip()
+                if head.startswith(START):
+                    self.thinking, self._buffer = True, head[len(START):]
+                elif START.startswith(head):  # whitespace, or the marker begun: wait for more
+                    break
+                self._opening = False
+                continue
+            if not self.thinking:
+                answer.append(self._buffer)
+                self._buffer = ""
+                break
+            end = self._buffer.find(END)
+            if end >= 0:
+                reasoning.append(self._buffer[:end])
+                self.thinking, self._buffer = False, self._buffer[end + len(END):]
+                continue
+            keep = _held(self._buffer, END)
+            reasoning.append(self._buffer[:len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            break
+        return self._take(reasoning), "".join(answer)
+
+    def finish(self) -> tuple[str, str]:
+        """The end of the text: what was held back is decided."""
+        rest, self._buffer = self._buffer, ""
+        if self.thinking:
+            return self._take([rest]), ""
+        return "", rest.lstrip() if self._opening else rest
+
+    def _take(self, pieces: list[str]) -> str:
+        text = "".join(pieces)
+        if text:
+            self.reasoning.append(text)
+        return text

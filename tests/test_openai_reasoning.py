@@ -1,0 +1,121 @@
+"""A reasoning model's thinking apart from its answer (`--reasoning-parser`): the reader over pieces of
+any size, chat's `reasoning` (whole and streamed), the Responses API's reasoning item, and end to end
+through the OpenAI server in front of a real tritonserver, the answer's shape forced by a guide (the
+default model does not think by itself)."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from tritonllm.openai.reasoning import ReasoningStream, prompt_opens_thinking
+from tritonllm.openai.responses import Choices
+from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest
+from tritonllm.openai.triton import TritonOutput
+
+openai = pytest.importorskip("openai")  # the test extra installs it
+from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+MODEL = "smollm2"
+EVENTS = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
+          for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+
+
+def _read(text: str, thinking: bool, size: int) -> tuple[str, str]:
+    stream = ReasoningStream(thinking=thinking)
+    reasoning, answer = [], []
+    for start in range(0, len(text), size):
+        r, a = stream.feed(text[start:start + size])
+        reasoning.append(r)
+        answer.append(a)
+    r, a = stream.finish()
+    return "".join(reasoning + [r]), "".join(answer + [a])
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("text, thinking, expected", [
+    ("<think>hmm, ok</think>\n\nThe answer.", False, ("hmm, ok", "\n\nThe answer.")),  # Qwen3: opened in the output
+    ("hmm</think>Answer", True, ("hmm", "Answer")),  # DeepSeek-R1, Qwen3.5: opened in the prompt
+    ("\n<think>\nhmm</think>Answer", True, ("\nhmm", "Answer")),  # ... and written again
+    ("Plain answer <think> not here", False, ("", "Plain answer <think> not here")),
+    ("still thinking </thi", True, ("still thinking </thi", "")),  # cut while thinking
+    ("<thi", False, ("", "<thi")),
+])
+def test_thinking_and_answer_are_told_apart_in_pieces_of_any_size(text, thinking, expected, size):
+    assert _read(text, thinking, size) == expected
+
+
+def test_the_prompts_end_says_whether_the_answer_starts_inside_the_block():
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking=False
+    assert not prompt_opens_thinking("<|im_start|>assistant\n")
+
+
+def _outputs(pieces: list[str]) -> list[TritonOutput]:
+    return [TritonOutput(texts=[p], token_counts=[1], finish_reasons=["stop" if k == len(pieces) - 1 else None],
+                         num_input_tokens=3, final=k == len(pieces) - 1) for k, p in enumerate(pieces)]
+
+
+def test_chat_gives_reasoning_beside_content_whole_and_streamed():
+    pieces = ["Let me ", "see.</th", "ink>\n\nIt is ", "Paris."]
+    choices = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=True)
+    chunks = [choices.delta_choice(d)["delta"] for out in _outputs(pieces) for d in choices.add(0, out)]
+    assert "".join(c.get("reasoning", "") for c in chunks) == "Let me see."
+    assert "".join(c.get("content", "") for c in chunks) == "\n\nIt is Paris."
+    assert all(c.get("reasoning") == c.get("reasoning_content") for c in chunks)
+    message = choices.response("id", MODEL, False)["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "\n\nIt is Paris.", "reasoning": "Let me see.",
+                       "reasoning_content": "Let me see."}
+    plain = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=False)
+    for out in _outputs(["Just ", "Paris."]):
+        plain.add(0, out)
+    assert plain.response("id", MODEL, False)["choices"][0]["message"]["reasoning"] is None
+
+
+def test_the_responses_api_gives_a_reasoning_item_before_the_message():
+    choices = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=False)
+    output = ResponseOutput(ResponsesRequest(input="hi"), MODEL)
+    events = output.start()
+    for out in _outputs(["<think>Hmm", ", France.</think>", "Paris."]):
+        for delta in choices.add(0, out):
+            events += output.add(delta)
+    events += output.finish("stop", None, choices.usage())
+    for event in events:
+        EVENTS[event["type"]].model_validate(event)
+    response = Response.model_validate(output.response)
+    thought, message = response.output
+    assert thought.type == "reasoning" and thought.content[0].text == "Hmm, France." and thought.summary == []
+    assert response.output_text == "Paris."
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Hmm, France."
+    assert output.as_messages() == [{"role": "assistant", "content": "Paris."}]  # thinking is not carried on
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+
+THINK_THEN_ANSWER = "<think>[a-z ]{4,24}</think>[A-Z][a-z ]{4,24}"
+
+
+@pytest.mark.server
+def test_a_thinking_answer_through_the_server_chat_and_responses(openai_tools_client):
+    client = openai_tools_client  # conftest.py's: started with --reasoning-parser qwen3
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    guide = {"guided_regex": THINK_THEN_ANSWER}
+    whole = client.chat.completions.create(model=MODEL, messages=question, max_tokens=64, temperature=0,
+                                           extra_body=guide)
+    message = whole.choices[0].message.model_dump()
+    assert message["reasoning"] and message["reasoning_content"] == message["reasoning"]
+    assert message["content"] and "<think>" not in message["content"] and "</think>" not in message["content"]
+    streamed = client.chat.completions.create(model=MODEL, messages=question, max_tokens=64, temperature=0,
+                                              stream=True, extra_body=guide)
+    deltas = [c.choices[0].delta.model_dump() for c in streamed if c.choices]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+
+    response = client.responses.create(model=MODEL, input=question[0]["content"], max_output_tokens=64, temperature=0,
+                                       extra_body=guide)
+    thought, answer = response.output
+    assert thought.type == "reasoning" and thought.content[0].text == message["reasoning"]
+    assert response.output_text == message["content"]
