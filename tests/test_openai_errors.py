@@ -16,6 +16,7 @@ pytestmark = pytest.mark.unit
     (b'{"model": "m", "prompt": "hi", "temperature": NaN}', "not valid JSON"),
     (b'{"model": "m", "prompt": "hi", "metadata": {"a": Infinity}}', "not valid JSON"),
     (b'{"model": "m", "prompt": "hi"', "not valid JSON"),
+    (b'{"model": "m", "prompt": "hi", "metadata": {"a": [1, 1e400]}}', "too large for a float"),
 ])
 def test_what_json_has_not_is_a_400(body, words):
     with pytest.raises(OpenAIError) as info:

@@ -9,8 +9,8 @@ import typing
 
 import pytest
 
-from tritonllm.openai.reasoning import ReasoningStream, prompt_opens_thinking
-from tritonllm.openai.responses import Choices
+from tritonllm.openai.reasoning import ReasoningStream, answer_starts_thinking, prompt_opens_thinking
+from tritonllm.openai.responses import Choices, Delta
 from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest
 from tritonllm.openai.triton import TritonOutput
 
@@ -48,9 +48,28 @@ def test_thinking_and_answer_are_told_apart_in_pieces_of_any_size(text, thinking
     assert _read(text, thinking, size) == expected
 
 
-def test_the_prompts_end_says_whether_the_answer_starts_inside_the_block():
-    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
-    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking=False
+# A ChatML template that opens the thinking block in its generation prompt (as DeepSeek-R1's and Qwen3.5's
+# do), and closes it at once where asked not to think (Qwen3's enable_thinking=False).
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
+                     "{% if enable_thinking is defined and not enable_thinking %}\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_what_the_template_writes_after_the_conversation_says_whether_the_answer_starts_thinking(model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    asked = [{"role": "user", "content": "What is 2 + 2?"}]
+    kwargs = {"add_generation_prompt": True, "continue_final_message": False}
+    assert answer_starts_thinking(tokenizer, asked, {**kwargs, "chat_template": THINKING_TEMPLATE})
+    assert not answer_starts_thinking(tokenizer, asked, {**kwargs, "chat_template": THINKING_TEMPLATE,
+                                                         "enable_thinking": False})
+    assert not answer_starts_thinking(tokenizer, asked, kwargs)  # smollm2's own template opens none
+    # A `<think>` the user wrote is no block the model is in.
+    assert not answer_starts_thinking(tokenizer, [{"role": "user", "content": "Explain <think>"}], kwargs)
+    # An assistant message being continued is the answer's start.
+    prefill = [*asked, {"role": "assistant", "content": "<think>" + " and then" * 20}]
+    assert answer_starts_thinking(tokenizer, prefill, {"add_generation_prompt": False, "continue_final_message": True})
     assert not prompt_opens_thinking("<|im_start|>assistant\n")
 
 
@@ -93,6 +112,37 @@ def test_the_responses_api_gives_a_reasoning_item_before_the_message():
     assert output.as_messages() == [{"role": "assistant", "content": "Paris."}]  # thinking is not carried on
 
 
+def test_thinking_then_a_call_is_a_reasoning_item_and_a_call_with_no_message_between():
+    from tritonllm.openai.protocol import ChatCompletionRequest
+    from tritonllm.openai.tools import ToolSettings, plan_tools
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    plan = plan_tools(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[weather]),
+                      ToolSettings(enable_auto_tool_choice=True, tool_call_parser="hermes"))
+    choices = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, tools=plan, thinking=False)
+    output = ResponseOutput(ResponsesRequest(input="hi"), MODEL)
+    pieces = ["<think>Paris, so", " the tool.</think>\n", '<tool_call>\n{"name": "get_weather", ',
+              '"arguments": {"city": "Paris"}}\n</tool_call>']
+    for out in _outputs(pieces):
+        for delta in choices.add(0, out):
+            output.add(delta)
+    output.finish("stop", choices.tool_calls(0), choices.usage())
+    assert [item["type"] for item in output.response["output"]] == ["reasoning", "function_call"]
+
+
+def test_a_pieces_log_probs_go_to_the_text_its_last_tokens_spell():
+    def token(text: str) -> dict:
+        return {"token": text, "logprob": -0.1, "bytes": list(text.encode()), "top_logprobs": []}
+
+    output = ResponseOutput(ResponsesRequest(input="hi", include=["message.output_text.logprobs"]), MODEL)
+    tokens = [token("<think>"), token("hm"), token("</think>"), token("Par"), token("is")]
+    output.add(Delta(0, "Paris", tokens, "stop", reasoning="hm"))
+    output.finish("stop", None, {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6})
+    message = output.response["output"][1]
+    assert [t["token"] for t in message["content"][0]["logprobs"]] == ["Par", "is"]
+
+
 # ---- end to end ------------------------------------------------------------------------------------
 
 THINK_THEN_ANSWER = "<think>[a-z ]{4,24}</think>[A-Z][a-z ]{4,24}"
@@ -103,8 +153,11 @@ def test_a_thinking_answer_through_the_server_chat_and_responses(openai_tools_cl
     client = openai_tools_client  # conftest.py's: started with --reasoning-parser qwen3
     question = [{"role": "user", "content": "What is the capital of France?"}]
     guide = {"guided_regex": THINK_THEN_ANSWER}
+    # Log-probs too: where the guide allows fewer tokens than asked, the rest are ruled out (-inf), which
+    # the answer writes as vLLM does (-9999.0): JSON has no infinity.
     whole = client.chat.completions.create(model=MODEL, messages=question, max_tokens=64, temperature=0,
-                                           extra_body=guide)
+                                           logprobs=True, top_logprobs=3, extra_body=guide)
+    assert any(alt.logprob == -9999.0 for t in whole.choices[0].logprobs.content for alt in t.top_logprobs)
     message = whole.choices[0].message.model_dump()
     assert message["reasoning"] and message["reasoning_content"] == message["reasoning"]
     assert message["content"] and "<think>" not in message["content"] and "</think>" not in message["content"]

@@ -239,8 +239,10 @@ def test_guides_compile_for_each_choice():
       "tool_choice": "required"}, "tools", "is not a JSON schema that can be followed"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
       "tool_choice": "required"}, "tools", "must describe an object"),
-    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "[a-z]+"}, "response_format",
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "[a-z]+"}, "guided_regex",
      "cannot be combined"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
+     "response_format", "the response format's schema cannot be followed"),
 ])
 def test_bad_tool_requests_are_refused_naming_the_field(fields, param, words):
     with pytest.raises(OpenAIError) as info:

@@ -107,6 +107,22 @@ def test_json_nested_deeper_than_python_reads_is_a_request_error_not_an_internal
     assert as_text.params.stop == [deep]
 
 
+def test_alternatives_a_guide_ruled_out_have_vllms_finite_stand_in_so_the_json_is_json():
+    parsed = parse_request({"text_input": np.array([b"hi"], dtype=np.object_), "return_logprobs": np.array([True]),
+                            "sampling_parameters": np.array([b'{"logprobs": 2}'], dtype=np.object_)}, None)
+    assembler = ResponseAssembler(parsed, lambda ids: f"<{ids[0]}>")
+    out = RequestOutput("r", [7], [-0.5], "x", True, "stop", 2, 1, new_top_logprobs=[[(7, -0.5, 1), (9, float("-inf"), 2)]],
+                        new_token_texts=["x"])
+    assembler.add(out)
+    raw = assembler.take_outputs()["logprobs"][0].decode()
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    assert json.loads(raw, parse_constant=refuse) == [{"7": {"logprob": -0.5, "rank": 1, "decoded_token": "x"},
+                                                      "9": {"logprob": -9999.0, "rank": 2, "decoded_token": "<9>"}}]
+
+
 def _output(ids: list[int]) -> RequestOutput:
     """A running request's news of one step: these tokens, one character of text each."""
     return RequestOutput("r", ids, [0.0] * len(ids), "x" * len(ids), False, None, 3, 0, 0)

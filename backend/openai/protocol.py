@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any, Union
 
 import pydantic_core
@@ -64,6 +65,21 @@ def invalid(errors: list[dict]) -> OpenAIError:
                        param or None)
 
 
+def _finite(value) -> bool:
+    """Whether every number in a parsed JSON value is finite (walked without recursion)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
+
+
 def parse_body(model_class, data: bytes):
     """A request body as `model_class`, or a 400. JSON only: NaN and Infinity, which Python's JSON writes
     but JSON has not, are refused here (echoed back, they would make the answer no JSON either)."""
@@ -71,6 +87,9 @@ def parse_body(model_class, data: bytes):
         value = pydantic_core.from_json(data, allow_inf_nan=False)
     except ValueError as exc:
         raise OpenAIError(400, f"the request body is not valid JSON: {exc}", "invalid_request") from None
+    if not _finite(value):  # a number beyond float's range (1e400) reads as infinity
+        raise OpenAIError(400, "the request body holds a number too large for a float (JSON numbers here must be "
+                          "finite)", "invalid_request")
     try:
         return model_class.model_validate(value)
     except ValidationError as exc:
@@ -133,11 +152,22 @@ class RequestBody(BaseModel):
         """The field of this request that sets the model's parameter (or the chat request's field) `name`."""
         return name
 
+    def guide_field(self) -> str | None:
+        """The field of this request that asked for guided decoding (the first, where several did)."""
+        return None
+
     def named(self, error: OpenAIError) -> OpenAIError:
-        """`error`, its `param` the field this request's client sent."""
+        """`error`, its `param` the field this request's client sent (the guide's, for the model's
+        complaints about a guide)."""
+        if error.param is None and error.status == 400 and error.message.startswith("guided"):
+            error.param = self.guide_field()
         if error.param is not None:
             error.param = self.field_of(error.param)
         return error
+
+
+_GUIDE_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs")
 
 
 class _Request(RequestBody):
@@ -191,6 +221,9 @@ class _Request(RequestBody):
 
     def warn_ignored(self) -> None:
         warn_ignored(self.model_extra or {})
+
+    def guide_field(self) -> str | None:
+        return next((name for name in _GUIDE_FIELDS if getattr(self, name) is not None), None)
 
     def _sampling(self, max_tokens: int | None) -> dict[str, Any]:
         """The model's `sampling_parameters` for this request (values not set are left to the model)."""
@@ -275,6 +308,9 @@ class CompletionRequest(_Request):
             raise bad_request(f"{len(prompts)} prompts with n={self.n} are {len(prompts) * self.n} completions; at most "
                               f"{MAX_COMPLETIONS} in one request", "prompt")
         return prompts
+
+    def field_of(self, name: str) -> str:
+        return "prompt" if name == "input_ids" else name
 
     def check(self) -> None:
         self._check_common()
@@ -392,7 +428,7 @@ class ChatCompletionRequest(_Request):
     def field_of(self, name: str) -> str:
         if name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return "top_logprobs" if name == "logprobs" else name
+        return {"logprobs": "top_logprobs", "input_ids": "messages"}.get(name, name)
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -3,9 +3,10 @@
 DeepSeek-R1, QwQ and Qwen3 think between `<think>` and `</think>`, then answer. Their chat templates
 differ in where the block opens: in the prompt (R1's, Qwen3.5's: the output starts inside it and only
 `</think>` comes out) or in the output (Qwen3's first releases). So one reader serves every such model:
-the rendered prompt's end says whether the answer starts inside the block (`prompt_opens_thinking`),
-and a `<think>` at the very start of the output opens it too. Text up to `</think>` is reasoning, the
-rest is the answer; an answer that never closes the block is all reasoning (it was cut while thinking).
+what the template writes after the conversation says whether the answer starts inside the block
+(`answer_starts_thinking`), and a `<think>` at the very start of the output opens it too. Text up to
+`</think>` is reasoning, the rest is the answer; an answer that never closes the block is all
+reasoning (it was cut while thinking).
 vLLM's parser names, `deepseek_r1` and `qwen3`, both select this reader.
 """
 
@@ -17,9 +18,25 @@ START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
 
 
-def prompt_opens_thinking(prompt_tail: str) -> bool:
-    """Whether a prompt ending with this text leaves the model inside a thinking block."""
-    return prompt_tail.rfind(START) > prompt_tail.rfind(END)
+def prompt_opens_thinking(text: str) -> bool:
+    """Whether this text (what a template writes after the conversation) leaves a thinking block open."""
+    return text.rfind(START) > text.rfind(END)
+
+
+def answer_starts_thinking(tokenizer, messages: list[dict], template_kwargs: dict) -> bool:
+    """Whether the answer to these messages starts inside a thinking block: the text the chat template
+    writes after the conversation (its generation prompt) opens one, or the assistant message being
+    continued does. Only that text: a `<think>` a user wrote is no block the model is in."""
+    if template_kwargs.get("continue_final_message"):
+        return prompt_opens_thinking(str(messages[-1].get("content") or ""))
+    if not template_kwargs.get("add_generation_prompt", True):
+        return False
+    kwargs = {**template_kwargs, "tokenize": False}
+    with_prompt = tokenizer.apply_chat_template(messages, **kwargs)
+    without = tokenizer.apply_chat_template(messages, **{**kwargs, "add_generation_prompt": False})
+    # A template whose generation prompt is not simply appended gives no answer: the output's own
+    # `<think>` still opens a block.
+    return with_prompt.startswith(without) and prompt_opens_thinking(with_prompt[len(without):])
 
 
 def _held(text: str, marker: str) -> int:

@@ -40,7 +40,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _ROLES = ("user", "assistant", "system", "developer")
 # The chat request's fields (and the model's parameters) that errors name -> the Responses request's.
 _FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-           "response_format": "text", "logprobs": "top_logprobs"}
+           "response_format": "text", "logprobs": "top_logprobs", "input_ids": "input"}
 
 
 class ResponsesRequest(RequestBody):
@@ -88,6 +88,12 @@ class ResponsesRequest(RequestBody):
 
     def field_of(self, name: str) -> str:
         return _FIELDS.get(name, name)
+
+    def guide_field(self) -> str | None:
+        if _response_format(self.text) is not None:
+            return "text"
+        return next((name for name in _PASSED_ON if name.startswith(("guided_", "structured_"))
+                     and (self.model_extra or {}).get(name) is not None), None)
 
     def named(self, error: OpenAIError) -> OpenAIError:
         """An error of the chat request that serves this one, in this request's words."""
@@ -283,6 +289,7 @@ class ResponseOutput:
             "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": body.truncation or "disabled",
             "usage": None, "user": body.user, "metadata": body.metadata or {}}
         self._sequence = 0
+        self._space = ""  # whitespace not yet known to start a message
         self._open: _OpenItem | None = None
         self._calls: dict[int, _OpenItem] = {}  # the chat deltas' call index -> its item
 
@@ -315,22 +322,32 @@ class ResponseOutput:
             open_.text.append(delta.reasoning)
             events.append(self._event("response.reasoning_text.delta", item_id=open_.item["id"],
                                       output_index=open_.output_index, content_index=0, delta=delta.reasoning))
-        if delta.text:
-            open_ = self._open
-            if open_ is None or open_.item["type"] != "message":
+        text = delta.text
+        open_ = self._open
+        if text and (open_ is None or open_.item["type"] != "message"):
+            # Whitespace between items (after the thinking, before a call) is no message: held until
+            # text comes that is one.
+            self._space += text
+            text = "" if not text.strip() else self._space
+            if text:
+                self._space = ""
                 events += self._close()
                 events += self._open_message()
                 open_ = self._open
+        if text:
             logprobs = list(delta.logprobs) if isinstance(delta.logprobs, list) else []
-            open_.text.append(delta.text)
+            if delta.reasoning:  # the piece's tokens spell its thinking first: only the last ones are the text's
+                logprobs = _last_tokens(logprobs, len(delta.text))
+            open_.text.append(text)
             open_.logprobs += logprobs
             events.append(self._event("response.output_text.delta", item_id=open_.item["id"],
-                                      output_index=open_.output_index, content_index=0, delta=delta.text,
+                                      output_index=open_.output_index, content_index=0, delta=text,
                                       logprobs=logprobs))
         for call in delta.tool_calls or []:
             item = self._calls.get(call["index"])
             function = call.get("function") or {}
             if item is None:
+                self._space = ""
                 events += self._close()
                 item = self._calls[call["index"]] = self._open_item(
                     {"id": _id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
@@ -427,6 +444,17 @@ class ResponseOutput:
                 else:
                     messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         return messages
+
+
+def _last_tokens(tokens: list[dict], length: int) -> list[dict]:
+    """The last of a piece's tokens (chat log-probs items), as many as spell its last `length` characters."""
+    taken, covered = [], 0
+    for item in reversed(tokens):
+        if covered >= length:
+            break
+        taken.append(item)
+        covered += len(item["token"])
+    return taken[::-1]
 
 
 # ---- kept responses -------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 
 from tritonllm.openai.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, check_context, invalid,
                                       parse_body, warn_ignored)
-from tritonllm.openai.reasoning import PARSERS, prompt_opens_thinking
+from tritonllm.openai.reasoning import PARSERS, answer_starts_thinking
 from tritonllm.openai.responses import Choices
 from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest, ResponseStore
 from tritonllm.openai.token_bytes import token_bytes_of
@@ -319,8 +319,8 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
         sampling = body.sampling_parameters(plan.guide if plan is not None else None)
         requests = [TritonRequest(model, list(ids), sampling, body.stream, body.return_logprobs, request_id)]
         thinking = None
-        if reasoning_parser is not None:  # does the prompt leave the model inside a thinking block?
-            thinking = prompt_opens_thinking(tokenizer.decode(list(ids[-16:])))
+        if reasoning_parser is not None:
+            thinking = await asyncio.to_thread(answer_starts_thinking, tokenizer, messages, template_kwargs)
         choices = Choices(chat=True, n=body.n, num_prompts=1, top_logprobs=body.top_logprobs, tools=plan,
                           token_bytes=token_bytes_of(tokenizer) if body.logprobs else None, thinking=thinking)
         return model, requests, choices

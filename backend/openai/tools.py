@@ -196,9 +196,15 @@ def _answer_schema(body) -> dict | None:
     if guide is None:
         return None
     if set(guide) == {"json"} and isinstance(guide["json"], dict):
-        return closed_objects(guide["json"])
+        schema = closed_objects(guide["json"])
+        try:  # checked here: in the calls' grammar its complaint would quote that grammar
+            compile_json_schema_grammar(json.dumps(schema, sort_keys=True))
+        except InvalidRequestError as exc:
+            raise bad_request(f"the response format's schema cannot be followed: {str(exc).removeprefix('guided json: ')}",
+                              body.guide_field()) from None
+        return schema
     if set(guide) == {"json_object"}:
         return {"type": "object"}
     raise bad_request("guided decoding fields (regex, choice, grammar, structural tags) cannot be combined with "
                       "tools (tool_choice other than 'none'): the calls are guided already; response_format "
-                      "json_schema and json_object can", "response_format")
+                      "json_schema and json_object can", body.guide_field())

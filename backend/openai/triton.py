@@ -42,7 +42,7 @@ _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND
 _KIND_STATUS = {"invalid_argument": 400, "unavailable": 503, "internal": 500}
 # The model's sampling parameters that its messages start by naming; each request class says which of
 # its fields sets each (RequestBody.field_of).
-_PARAMETERS = frozenset(PASSED_ON + ("temperature", "max_tokens", "logit_bias", "logprobs", "best_of"))
+_PARAMETERS = frozenset(PASSED_ON + ("temperature", "max_tokens", "logit_bias", "logprobs", "best_of", "input_ids"))
 _CODES = {400: "invalid_request", 404: "model_not_found", 503: "unavailable", 500: "internal_error"}
 _DRAIN_S = 5.0  # after the final response, how long the stream's clean end is waited for
 

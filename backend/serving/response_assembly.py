@@ -28,6 +28,11 @@ from tritonllm.core.outputs import RequestOutput
 from tritonllm.serving.request_parsing import ParsedRequest
 
 
+# A token a guide or a bias ruled out has log-prob -inf, which JSON cannot write (Python writes
+# `-Infinity`, which strict parsers refuse): the JSON gives vLLM's stand-in for it.
+MIN_LOGPROB = -9999.0
+
+
 @dataclass
 class _Completion:
     text: list[str] = field(default_factory=list)  # not yet sent (streaming), or all of it
@@ -165,4 +170,5 @@ class ResponseAssembler:
         return json.dumps(tokens).encode("utf-8")
 
     def _token_entries(self, entries: list[tuple[int, float, int]]) -> dict:
-        return {str(t): {"logprob": lp, "rank": rank, "decoded_token": self._decode([t])} for t, lp, rank in entries}
+        return {str(t): {"logprob": max(lp, MIN_LOGPROB), "rank": rank, "decoded_token": self._decode([t])}
+                for t, lp, rank in entries}
