@@ -109,6 +109,9 @@ def test_the_responses_api_gives_a_reasoning_item_before_the_message():
     assert thought.type == "reasoning" and thought.content[0].text == "Hmm, France." and thought.summary == []
     assert response.output_text == "Paris."
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Hmm, France."
+    kinds = [e["type"] for e in events]
+    assert kinds[2:5] == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta"]
+    assert kinds.index("response.content_part.done") > kinds.index("response.reasoning_text.done")
     assert output.as_messages() == [{"role": "assistant", "content": "Paris."}]  # thinking is not carried on
 
 

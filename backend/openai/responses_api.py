@@ -319,6 +319,9 @@ class ResponseOutput:
                                          "content": []})
                 events.append(self._event("response.output_item.added", output_index=open_.output_index,
                                           item=dict(open_.item)))
+                events.append(self._event("response.content_part.added", item_id=open_.item["id"],
+                                          output_index=open_.output_index, content_index=0,
+                                          part={"type": "reasoning_text", "text": ""}))
             open_.text.append(delta.reasoning)
             events.append(self._event("response.reasoning_text.delta", item_id=open_.item["id"],
                                       output_index=open_.output_index, content_index=0, delta=delta.reasoning))
@@ -380,10 +383,13 @@ class ResponseOutput:
         item, index = open_.item, open_.output_index
         text = "".join(open_.text)
         if item["type"] == "reasoning":
-            item["content"] = [{"type": "reasoning_text", "text": text}]
+            part = {"type": "reasoning_text", "text": text}
+            item["content"] = [part]
             item["status"] = status
             return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                 content_index=0, text=text),
+                    self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                content_index=0, part=part),
                     self._event("response.output_item.done", output_index=index, item=dict(item))]
         if item["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": [],
