@@ -267,7 +267,7 @@ def _id(prefix: str) -> str:
 class _OpenItem:
     item: dict
     output_index: int
-    text: list[str] = field(default_factory=list)  # a message's text, or a call's arguments
+    text: list[str] = field(default_factory=list)  # a message's text, a call's arguments, or the thinking
     logprobs: list[dict] = field(default_factory=list)
 
 
