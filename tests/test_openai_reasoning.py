@@ -10,7 +10,7 @@ import typing
 import pytest
 
 from tritonllm.openai.reasoning import ReasoningStream, answer_starts_thinking, prompt_opens_thinking
-from tritonllm.openai.responses import Choices, Delta
+from tritonllm.openai.choices import Choices, Delta
 from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest
 from tritonllm.openai.triton import TritonOutput
 

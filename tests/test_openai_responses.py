@@ -11,7 +11,7 @@ import typing
 import pytest
 
 from tritonllm.openai.protocol import OpenAIError
-from tritonllm.openai.responses import Delta
+from tritonllm.openai.choices import Delta
 from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest, ResponseStore
 from tritonllm.openai.tool_parsers import FORMATS, ToolCallStream
 

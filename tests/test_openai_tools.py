@@ -20,7 +20,7 @@ from tritonllm.core.errors import InvalidRequestError
 from tritonllm.guided.grammar import compile_grammar
 from tritonllm.guided.structural_tag import structural_tag_grammar, structural_tag_text
 from tritonllm.openai.protocol import ChatCompletionRequest, OpenAIError, check_context
-from tritonllm.openai.responses import Choices
+from tritonllm.openai.choices import Choices
 from tritonllm.openai.tool_parsers import FORMATS, ToolCallStream
 from tritonllm.openai.tools import ToolSettings, plan_tools, read_chat_template
 from tritonllm.openai.triton import TritonOutput

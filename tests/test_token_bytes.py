@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from tritonllm.openai.responses import Choices
+from tritonllm.openai.choices import Choices
 from tritonllm.openai.token_bytes import token_bytes_of
 from tritonllm.openai.triton import TritonOutput
 

@@ -25,7 +25,7 @@ from typing import Any, Union
 from pydantic import ValidationError
 
 from tritonllm.openai.protocol import PASSED_ON, ChatCompletionRequest, OpenAIError, RequestBody, bad_request
-from tritonllm.openai.responses import Delta
+from tritonllm.openai.choices import Delta
 from tritonllm.openai.tool_parsers import TOOL_NAME, ToolCallStream
 
 MAX_STORED = 2048  # responses kept for previous_response_id; the oldest go first

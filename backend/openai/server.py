@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from tritonllm.openai.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, check_context, invalid,
                                       parse_body, warn_ignored)
 from tritonllm.openai.reasoning import PARSERS, answer_starts_thinking
-from tritonllm.openai.responses import Choices
+from tritonllm.openai.choices import Choices
 from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest, ResponseStore
 from tritonllm.openai.token_bytes import token_bytes_of
 from tritonllm.openai.tool_parsers import FORMATS
