@@ -112,6 +112,11 @@ def _wait(condition, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def _ok_since(log: Path, since: float) -> bool:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return any(r["outcome"] == "ok" and r["start"] > since for r in map(json.loads, lines))
+
+
 def test_a_dead_server_leaves_the_balancer_and_rejoins_after_it_heals(tmp_path):
     params = dict(FAST, num_threads=1)  # two servers share this machine's cores
     a = Supervised(make_repository(tmp_path / "repo_a", with_minilm=False, **params), tmp_path / "a.log",
@@ -152,6 +157,9 @@ def test_a_dead_server_leaves_the_balancer_and_rejoins_after_it_heals(tmp_path):
         sent, finished = balancer.sent_to("a"), _finished(a)
         # The healed server takes requests again: the balancer routes to it, and its new engine finishes them.
         _wait(lambda: balancer.sent_to("a") >= sent + 2 and _finished(a) > finished, 90, "requests served by a again")
+        # Locust logs a request when it ends, and a request a finished may not be logged yet (or may have started
+        # before up_at: haproxy marks a UP a poll before this test sees it): wait for one logged after up_at.
+        _wait(lambda: _ok_since(log, up_at), 90, "a request that started after a rejoined, finished and logged")
         done_at = time.time()
     finally:
         if locust is not None and locust.poll() is None:
