@@ -1,10 +1,11 @@
 """A reasoning model's thinking apart from its answer (`--reasoning-parser`): the reader over pieces of
 any size, chat's `reasoning` (whole and streamed), the Responses API's reasoning item, and end to end
-through the OpenAI server in front of a real tritonserver, the answer's shape forced by a guide (the
-default model does not think by itself)."""
+through the OpenAI server in front of a real tritonserver: guides that hold after the thinking (the
+default model does not think by itself; shown answers that do, it thinks too)."""
 
 from __future__ import annotations
 
+import json
 import typing
 
 import pytest
@@ -148,30 +149,60 @@ def test_a_pieces_log_probs_go_to_the_text_its_last_tokens_spell():
 
 # ---- end to end ------------------------------------------------------------------------------------
 
-THINK_THEN_ANSWER = "<think>[a-z ]{4,24}</think>[A-Z][a-z ]{4,24}"
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
+# Two answers that think first: the default model, shown them, thinks before its next answer too.
+FEW_SHOT = [{"role": "user", "content": "What is the capital of Italy?"},
+            {"role": "assistant", "content": "<think>Italy's capital is Rome.</think>{\"city\": \"Rome\"}"},
+            {"role": "user", "content": "What is the capital of Spain?"},
+            {"role": "assistant", "content": "<think>Spain's capital is Madrid.</think>{\"city\": \"Madrid\"}"},
+            {"role": "user", "content": "What is the capital of France?"}]
+CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
 
 
 @pytest.mark.server
-def test_a_thinking_answer_through_the_server_chat_and_responses(openai_tools_client):
-    client = openai_tools_client  # conftest.py's: started with --reasoning-parser qwen3
-    question = [{"role": "user", "content": "What is the capital of France?"}]
-    guide = {"guided_regex": THINK_THEN_ANSWER}
+def test_a_guided_answer_comes_after_free_thinking(openai_tools_client):
+    """A guide holds after the thinking (vLLM's structured outputs under a reasoning parser): the model
+    thinks in its own words, then writes JSON the schema accepts; whole, streamed, and in /v1/responses."""
+    client = openai_tools_client
     # Log-probs too: where the guide allows fewer tokens than asked, the rest are ruled out (-inf), which
     # the answer writes as vLLM does (-9999.0): JSON has no infinity.
-    whole = client.chat.completions.create(model=MODEL, messages=question, max_tokens=64, temperature=0,
-                                           logprobs=True, top_logprobs=3, extra_body=guide)
+    whole = client.chat.completions.create(model=MODEL, messages=FEW_SHOT, max_tokens=48, temperature=0,
+                                           response_format=CITY_FORMAT, logprobs=True, top_logprobs=3)
     assert any(alt.logprob == -9999.0 for t in whole.choices[0].logprobs.content for alt in t.top_logprobs)
     message = whole.choices[0].message.model_dump()
-    assert message["reasoning"] and message["reasoning_content"] == message["reasoning"]
-    assert message["content"] and "<think>" not in message["content"] and "</think>" not in message["content"]
-    streamed = client.chat.completions.create(model=MODEL, messages=question, max_tokens=64, temperature=0,
-                                              stream=True, extra_body=guide)
+    assert message["reasoning_content"] == message["reasoning"]
+    assert message["reasoning"] == "France's capital is Paris."  # free text, which the schema would refuse
+    assert message["content"] == '{"city": "Paris"}' and whole.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=MODEL, messages=FEW_SHOT, max_tokens=48, temperature=0,
+                                              response_format=CITY_FORMAT, stream=True)
     deltas = [c.choices[0].delta.model_dump() for c in streamed if c.choices]
     assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    # The prompt opens the block (an assistant answer being continued): thinking, then the guided answer.
+    opened = client.chat.completions.create(
+        model=MODEL, messages=FEW_SHOT + [{"role": "assistant", "content": "<think>"}], max_tokens=48, temperature=0,
+        response_format=CITY_FORMAT, extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert opened.choices[0].message.model_dump()["reasoning"] == "France's capital is Paris."
+    assert opened.choices[0].message.content == '{"city": "Paris"}'
 
-    response = client.responses.create(model=MODEL, input=question[0]["content"], max_output_tokens=64, temperature=0,
-                                       extra_body=guide)
+    response = client.responses.create(
+        model=MODEL, input=FEW_SHOT, max_output_tokens=48, temperature=0,
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}})
     thought, answer = response.output
-    assert thought.type == "reasoning" and thought.content[0].text == message["reasoning"]
-    assert response.output_text == message["content"]
+    assert thought.type == "reasoning" and thought.content[0].text == "France's capital is Paris."
+    assert response.output_text == '{"city": "Paris"}'
+
+
+@pytest.mark.server
+def test_a_required_tool_call_comes_after_free_thinking(openai_tools_client):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+    shown = [{"role": "user", "content": "What is the weather in Rome?"},
+             {"role": "assistant", "content": "<think>The user wants Rome's weather.</think>"
+                                              "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>"},
+             {"role": "user", "content": "What is the weather in Paris?"}]
+    answer = openai_tools_client.chat.completions.create(model=MODEL, messages=shown, tools=[weather],
+                                                         tool_choice="required", max_tokens=64, temperature=0)
+    message = answer.choices[0].message
+    assert message.model_dump()["reasoning"] and "Paris" in message.model_dump()["reasoning"]
+    [call] = message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}

@@ -17,6 +17,8 @@ GUIDE_KINDS = ("choice", "regex", "json", "json_object", "grammar", "structural_
 # Accepted for vLLM clients; none changes what a guide allows here.
 SWITCHES = ("backend", "whitespace_pattern", "disable_fallback", "disable_any_whitespace",
             "disable_additional_properties")
+# Ours: the guide holds after a reasoning model's thinking block (guided/thinking.py).
+THINKING_MODES = ("open", "allowed")
 
 
 def parse_guided_request(guided) -> dict | None:
@@ -26,7 +28,7 @@ def parse_guided_request(guided) -> dict | None:
         return None
     guided = json_object(guided, "guided_decoding")  # JSON text too, as the vLLM backend also takes it
     given = {k: v for k, v in guided.items() if v is not None and v is not False}
-    unsupported = sorted(set(given) - set(GUIDE_KINDS) - set(SWITCHES))
+    unsupported = sorted(set(given) - set(GUIDE_KINDS) - set(SWITCHES) - {"thinking"})
     if unsupported:
         raise InvalidRequestError(f"guided_decoding {unsupported} is not supported by this server; "
                                   f"supported: {', '.join(GUIDE_KINDS)}")
@@ -51,6 +53,9 @@ def parse_guided_request(guided) -> dict | None:
             raise InvalidRequestError(f"guided_decoding json schema must be a JSON object or true, got {given['json']!r}")
     elif kind == "structural_tag":
         given["structural_tag"] = parse_structural_tag(given["structural_tag"])
+    if given.get("thinking", "open") not in THINKING_MODES:
+        raise InvalidRequestError(f"guided_decoding thinking must be one of {', '.join(THINKING_MODES)}, "
+                                  f"got {given['thinking']!r}")
     if not isinstance(given.get("whitespace_pattern", ""), str):
         raise InvalidRequestError("guided_decoding whitespace_pattern must be a string (a regular expression)")
     return given

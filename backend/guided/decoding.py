@@ -11,6 +11,9 @@ Exactly one of:
 - `{"structural_tag": {"structures": [...], "triggers": [...]}}` (or its JSON text): free text in which
   each trigger opens a segment of JSON for a schema (structural_tag.py).
 
+With `thinking` (`"open"` or `"allowed"`, ours) any of them holds only after a reasoning model's
+`<think>...</think>` block (thinking.py); the OpenAI API sets it under `--reasoning-parser`.
+
 Every kind is followed by llguidance (grammar.py says what each compiles to). `whitespace_pattern`
 (a regular expression) replaces the JSON guides' whitespace: without it JSON is written compactly,
 with one space after `:` and `,`. `backend` and vLLM's other switches are accepted and change nothing
@@ -30,6 +33,7 @@ from tritonllm.core.guided_request import GUIDE_KINDS, parse_guided_request
 from tritonllm.guided.grammar import (GrammarVocabulary, GuidedGrammar, choice_grammar, closed_objects, compile_grammar,
                                       compile_json_schema_grammar, compile_regex, json_compile_options)
 from tritonllm.guided.structural_tag import structural_tag_grammar, structural_tag_text
+from tritonllm.guided.thinking import after_thinking
 
 
 def parse_guided_decoding(guided) -> dict | None:
@@ -56,6 +60,11 @@ def guide_grammar(guided: dict, special_tokens: frozenset[str] = frozenset()) ->
     tokenizer: `Guides`). `special_tokens`: the special tokens' texts of the tokenizer the guide is
     for (a structural tag's trigger among them is matched as that token). InvalidRequestError if the
     guide cannot be followed."""
+    grammar = _answer_grammar(guided, special_tokens)
+    return after_thinking(grammar, guided["thinking"], special_tokens) if "thinking" in guided else grammar
+
+
+def _answer_grammar(guided: dict, special_tokens: frozenset[str]) -> str:
     whitespace = guided.get("whitespace_pattern")
     if "regex" in guided:
         return compile_regex(guided["regex"])
@@ -89,10 +98,11 @@ class Guides:
 
     def grammar_for(self, guided: dict) -> str:
         """llguidance's grammar for a checked guided_decoding, on this engine's tokenizer."""
-        if "choice" in guided:
-            return choice_grammar(tuple(tuple(self.tokenizer.encode(c, add_special_tokens=False))
-                                        for c in guided["choice"]))
-        return guide_grammar(guided, self.special_tokens)
+        if "choice" not in guided:
+            return guide_grammar(guided, self.special_tokens)
+        grammar = choice_grammar(tuple(tuple(self.tokenizer.encode(c, add_special_tokens=False))
+                                       for c in guided["choice"]))
+        return after_thinking(grammar, guided["thinking"], self.special_tokens) if "thinking" in guided else grammar
 
     def for_request(self, guided: dict | None) -> GuidedGrammar | None:
         if not guided:

@@ -194,12 +194,15 @@ class GuidedGrammar:
         self._lock = threading.Lock()
 
     def start(self) -> "GrammarCursor":
+        return GrammarCursor(self, self.fresh_matcher())
+
+    def fresh_matcher(self):
+        """A matcher that has consumed nothing."""
         # Building a matcher sets up the grammar's lexer; a copy of a fresh one shares it.
         with self._lock:
             if self._fresh is None:
                 self._fresh = llguidance_module().LLMatcher(self.vocabulary.tokenizer, self.grammar, log_level=0)
-            matcher = self._fresh.deep_copy()
-        return GrammarCursor(self, matcher)
+            return self._fresh.deep_copy()
 
 
 class GrammarCursor:
@@ -218,7 +221,8 @@ class GrammarCursor:
 
     def _catch_up(self, output: list[int]) -> None:
         if len(output) < self._consumed:  # defensively: an output never shrinks, but then parse it again
-            self._matcher.reset()
+            # (from a fresh matcher: llguidance's reset() after a grammar's end can leave it ended)
+            self._matcher = self.guide.fresh_matcher()
             self._consumed = 0
         if len(output) > self._consumed:
             # Only allowed tokens are taken, so this cannot fail; if it did, the matcher's error

@@ -317,10 +317,12 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
                               "messages") from None
         check_context(model.max_model_len, len(ids), body.max_new_tokens, body.truncate_prompt_tokens)
         sampling = body.sampling_parameters(plan.guide if plan is not None else None)
-        requests = [TritonRequest(model, list(ids), sampling, body.stream, body.return_logprobs, request_id)]
         thinking = None
         if reasoning_parser is not None:
             thinking = await asyncio.to_thread(answer_starts_thinking, tokenizer, messages, template_kwargs)
+            if "guided_decoding" in sampling:  # the answer is guided, the thinking before it is free
+                sampling["guided_decoding"] = {**sampling["guided_decoding"], "thinking": "open" if thinking else "allowed"}
+        requests = [TritonRequest(model, list(ids), sampling, body.stream, body.return_logprobs, request_id)]
         choices = Choices(chat=True, n=body.n, num_prompts=1, top_logprobs=body.top_logprobs, tools=plan,
                           token_bytes=token_bytes_of(tokenizer) if body.logprobs else None, thinking=thinking)
         return model, requests, choices
