@@ -134,7 +134,8 @@ def _hermes_deltas(text_pieces: list[str]) -> tuple[list[Delta], ToolCallStream]
 
 
 def test_text_then_a_call_are_a_message_and_a_function_call_in_the_sdks_shapes():
-    body = ResponsesRequest.model_validate({"input": "hi", "tools": [WEATHER]})
+    body = ResponsesRequest.model_validate({"input": "hi", "tools": [WEATHER], "max_tool_calls": 3})
+    assert body.ignored_fields() == []  # max_tool_calls bounds built-in tools' calls: none here, so echoed
     output = ResponseOutput(body, MODEL)
     deltas, calls = _hermes_deltas(["Checking. ", "<tool_call>\n{\"name\": \"get_weather\", ",
                                     "\"arguments\": {\"city\": ", "\"Paris\"}}\n</tool_call>"])
@@ -149,6 +150,7 @@ def test_text_then_a_call_are_a_message_and_a_function_call_in_the_sdks_shapes()
     assert kinds[-1] == "response.completed" and "response.function_call_arguments.done" in kinds
     response = Response.model_validate(output.response)
     assert response.status == "completed" and response.output_text == "Checking. "
+    assert response.max_tool_calls == 3
     message, call = response.output
     assert message.type == "message" and message.status == "completed"
     assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}

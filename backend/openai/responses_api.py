@@ -55,6 +55,7 @@ class ResponsesRequest(RequestBody):
     tools: list[dict] | None = None
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = None  # OpenAI's bound on built-in tools' calls: none are served here; echoed
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -279,7 +280,7 @@ class ResponseOutput:
         self.response: dict[str, Any] = {
             "id": _id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "background": False, "error": None, "incomplete_details": None, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "max_tool_calls": None, "model": model, "output": [],
+            "max_output_tokens": body.max_output_tokens, "max_tool_calls": body.max_tool_calls, "model": model, "output": [],
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": body.store, "temperature": 1.0 if body.temperature is None else body.temperature,
