@@ -58,14 +58,32 @@ def test_open_thinking_is_free_until_think_ends_then_the_guide_holds(guides, tok
     assert cursor.is_complete(_ids(tokenizer, "done</think>", '{"a": 1}'))
 
 
-def test_allowed_thinking_may_open_a_block_or_answer_at_once(guides, tokenizer):
+def test_allowed_opens_a_block_only_with_the_think_token(tokenizer):
+    """Qwen3's `<think>` is an added token that is not special: it opens a block, its text in pieces does not."""
+    with_thinking = copy.deepcopy(tokenizer)
+    with_thinking.add_tokens(["<think>", "</think>"])
+    guides = Guides(with_thinking, {tokenizer.eos_token_id})
+    start, end = with_thinking.convert_tokens_to_ids(["<think>", "</think>"])
+    assert guides.think_tokens == (start, end) and "</think>" not in guides.special_tokens
     cursor = _cursor(guides, thinking="allowed", json=SCHEMA)
-    assert _accepts(cursor, _ids(tokenizer, "<think>", "let me see: {", "</think>", '{"a": 3}'), whole=True)
+    assert _accepts(cursor, [start] + _ids(tokenizer, "let me see: {") + [end] + _ids(tokenizer, '{"a": 3}'), whole=True)
+    # The text `</think>` is no end of the block where the model has the token: free text may follow it.
+    assert _accepts(cursor, [start] + _ids(tokenizer, "x</think>hello"), whole=True)
     assert _accepts(cursor, _ids(tokenizer, '{"a": 4}'), whole=True)
     assert not _accepts(cursor, _ids(tokenizer, "Sure: ", '{"a": 4}'), whole=False)  # neither a block nor the answer
-    assert not _accepts(cursor, _ids(tokenizer, "<think>", "x</think>", "<think>"), whole=False)
-    firsts = {tokenizer.decode([t]) for t in cursor.allowed_tokens([])}
-    assert firsts and all("<think>".startswith(f) or f.startswith("{") for f in firsts), sorted(firsts)[:20]
+    assert not _accepts(cursor, [start] + _ids(tokenizer, "x") + [end, start], whole=False)
+    firsts = {with_thinking.decode([t]) for t in cursor.allowed_tokens([])}
+    assert "<think>" in firsts and all(f == "<think>" or f.startswith("{") for f in firsts), sorted(firsts)[:20]
+
+
+def test_allowed_without_a_think_token_is_the_guide_alone(guides, tokenizer):
+    """The default model has no `<think>` token: the guide holds from the first token, so the mask cannot
+    push it into spelling `<think>` and ending inside a block with no answer."""
+    assert guides.think_tokens == (None, None)
+    cursor = _cursor(guides, thinking="allowed", json=SCHEMA)
+    assert _accepts(cursor, _ids(tokenizer, '{"a": 4}'), whole=True)
+    assert not _accepts(cursor, _ids(tokenizer, "<think>", "x</think>", '{"a": 4}'), whole=False)
+    assert guides.grammar_for({"json": SCHEMA, "thinking": "allowed"}) == guides.grammar_for({"json": SCHEMA})
 
 
 def test_special_think_tokens_are_matched_as_tokens(tokenizer):

@@ -157,40 +157,47 @@ FEW_SHOT = [{"role": "user", "content": "What is the capital of Italy?"},
             {"role": "assistant", "content": "<think>Spain's capital is Madrid.</think>{\"city\": \"Madrid\"}"},
             {"role": "user", "content": "What is the capital of France?"}]
 CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+# The prompt opens the block (an assistant answer being continued), as DeepSeek-R1's template does.
+OPENED = {"continue_final_message": True, "add_generation_prompt": False}
+THINKING = FEW_SHOT + [{"role": "assistant", "content": "<think>"}]
 
 
 @pytest.mark.server
 def test_a_guided_answer_comes_after_free_thinking(openai_tools_client):
     """A guide holds after the thinking (vLLM's structured outputs under a reasoning parser): the model
-    thinks in its own words, then writes JSON the schema accepts; whole, streamed, and in /v1/responses."""
+    thinks in its own words, then writes JSON the schema accepts; whole and streamed."""
     client = openai_tools_client
     # Log-probs too: where the guide allows fewer tokens than asked, the rest are ruled out (-inf), which
     # the answer writes as vLLM does (-9999.0): JSON has no infinity.
-    whole = client.chat.completions.create(model=MODEL, messages=FEW_SHOT, max_tokens=48, temperature=0,
-                                           response_format=CITY_FORMAT, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(model=MODEL, messages=THINKING, max_tokens=48, temperature=0,
+                                           response_format=CITY_FORMAT, logprobs=True, top_logprobs=3,
+                                           extra_body=OPENED)
     assert any(alt.logprob == -9999.0 for t in whole.choices[0].logprobs.content for alt in t.top_logprobs)
     message = whole.choices[0].message.model_dump()
     assert message["reasoning_content"] == message["reasoning"]
     assert message["reasoning"] == "France's capital is Paris."  # free text, which the schema would refuse
     assert message["content"] == '{"city": "Paris"}' and whole.choices[0].finish_reason == "stop"
-    streamed = client.chat.completions.create(model=MODEL, messages=FEW_SHOT, max_tokens=48, temperature=0,
-                                              response_format=CITY_FORMAT, stream=True)
+    streamed = client.chat.completions.create(model=MODEL, messages=THINKING, max_tokens=48, temperature=0,
+                                              response_format=CITY_FORMAT, stream=True, extra_body=OPENED)
     deltas = [c.choices[0].delta.model_dump() for c in streamed if c.choices]
     assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
-    # The prompt opens the block (an assistant answer being continued): thinking, then the guided answer.
-    opened = client.chat.completions.create(
-        model=MODEL, messages=FEW_SHOT + [{"role": "assistant", "content": "<think>"}], max_tokens=48, temperature=0,
-        response_format=CITY_FORMAT, extra_body={"continue_final_message": True, "add_generation_prompt": False})
-    assert opened.choices[0].message.model_dump()["reasoning"] == "France's capital is Paris."
-    assert opened.choices[0].message.content == '{"city": "Paris"}'
 
+
+@pytest.mark.server
+@pytest.mark.parametrize("messages", [FEW_SHOT, [FEW_SHOT[-1]]], ids=["shown-thinking", "plain"])
+def test_a_model_without_a_think_token_is_guided_from_its_first_token(openai_tools_client, messages):
+    """The default model has no `<think>` token, so where the prompt opens no block the guide holds from
+    the first token: the mask cannot push it into spelling `<think>` and ending there with no answer."""
+    client = openai_tools_client
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                           response_format=CITY_FORMAT)
+    message = whole.choices[0].message.model_dump()
+    assert message["reasoning"] is None and json.loads(message["content"]).keys() == {"city"}
     response = client.responses.create(
-        model=MODEL, input=FEW_SHOT, max_output_tokens=48, temperature=0,
+        model=MODEL, input=messages, max_output_tokens=48, temperature=0,
         text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}})
-    thought, answer = response.output
-    assert thought.type == "reasoning" and thought.content[0].text == "France's capital is Paris."
-    assert response.output_text == '{"city": "Paris"}'
+    assert [item.type for item in response.output] == ["message"] and response.output_text == message["content"]
 
 
 @pytest.mark.server
@@ -199,9 +206,11 @@ def test_a_required_tool_call_comes_after_free_thinking(openai_tools_client):
     shown = [{"role": "user", "content": "What is the weather in Rome?"},
              {"role": "assistant", "content": "<think>The user wants Rome's weather.</think>"
                                               "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>"},
-             {"role": "user", "content": "What is the weather in Paris?"}]
+             {"role": "user", "content": "What is the weather in Paris?"},
+             {"role": "assistant", "content": "<think>"}]
     answer = openai_tools_client.chat.completions.create(model=MODEL, messages=shown, tools=[weather],
-                                                         tool_choice="required", max_tokens=64, temperature=0)
+                                                         tool_choice="required", max_tokens=64, temperature=0,
+                                                         extra_body=OPENED)
     message = answer.choices[0].message
     assert message.model_dump()["reasoning"] and "Paris" in message.model_dump()["reasoning"]
     [call] = message.tool_calls

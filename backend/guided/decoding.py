@@ -33,7 +33,7 @@ from tritonllm.core.guided_request import GUIDE_KINDS, parse_guided_request
 from tritonllm.guided.grammar import (GrammarVocabulary, GuidedGrammar, choice_grammar, closed_objects, compile_grammar,
                                       compile_json_schema_grammar, compile_regex, json_compile_options)
 from tritonllm.guided.structural_tag import structural_tag_grammar, structural_tag_text
-from tritonllm.guided.thinking import after_thinking
+from tritonllm.guided.thinking import after_thinking, think_tokens
 
 
 def parse_guided_decoding(guided) -> dict | None:
@@ -55,13 +55,16 @@ def check_guided_decoding(given: dict) -> None:
         guide_grammar(given)
 
 
-def guide_grammar(guided: dict, special_tokens: frozenset[str] = frozenset()) -> str:
+def guide_grammar(guided: dict, special_tokens: frozenset[str] = frozenset(),
+                  think: tuple[int | None, int | None] = (None, None)) -> str:
     """llguidance's grammar for a checked guided_decoding other than a choice (which needs the
     tokenizer: `Guides`). `special_tokens`: the special tokens' texts of the tokenizer the guide is
-    for (a structural tag's trigger among them is matched as that token). InvalidRequestError if the
-    guide cannot be followed."""
+    for (a structural tag's trigger among them is matched as that token); `think`: its `<think>` and
+    `</think>` tokens (thinking.py). InvalidRequestError if the guide cannot be followed."""
     grammar = _answer_grammar(guided, special_tokens)
-    return after_thinking(grammar, guided["thinking"], special_tokens) if "thinking" in guided else grammar
+    if "thinking" not in guided:
+        return grammar
+    return after_thinking(grammar, guided["thinking"], think)
 
 
 def _answer_grammar(guided: dict, special_tokens: frozenset[str]) -> str:
@@ -95,14 +98,17 @@ class Guides:
         self._lock = threading.Lock()  # requests arrive on Triton's threads
         self.special_tokens = frozenset(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                                         if t.special)
+        self.think_tokens = think_tokens(tokenizer)  # a reasoning model's `<think>` and `</think>`
 
     def grammar_for(self, guided: dict) -> str:
         """llguidance's grammar for a checked guided_decoding, on this engine's tokenizer."""
         if "choice" not in guided:
-            return guide_grammar(guided, self.special_tokens)
+            return guide_grammar(guided, self.special_tokens, self.think_tokens)
         grammar = choice_grammar(tuple(tuple(self.tokenizer.encode(c, add_special_tokens=False))
                                        for c in guided["choice"]))
-        return after_thinking(grammar, guided["thinking"], self.special_tokens) if "thinking" in guided else grammar
+        if "thinking" not in guided:
+            return grammar
+        return after_thinking(grammar, guided["thinking"], self.think_tokens)
 
     def for_request(self, guided: dict | None) -> GuidedGrammar | None:
         if not guided:
