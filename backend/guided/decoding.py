@@ -61,10 +61,11 @@ def guide_grammar(guided: dict, special_tokens: frozenset[str] = frozenset(),
     tokenizer: `Guides`). `special_tokens`: the special tokens' texts of the tokenizer the guide is
     for (a structural tag's trigger among them is matched as that token); `think`: its `<think>` and
     `</think>` tokens (thinking.py). InvalidRequestError if the guide cannot be followed."""
-    grammar = _answer_grammar(guided, special_tokens)
-    if "thinking" not in guided:
-        return grammar
-    return after_thinking(grammar, guided["thinking"], think)
+    return _after_thinking_if_asked(guided, _answer_grammar(guided, special_tokens), think)
+
+
+def _after_thinking_if_asked(guided: dict, grammar: str, think: tuple[int | None, int | None]) -> str:
+    return after_thinking(grammar, guided["thinking"], think) if "thinking" in guided else grammar
 
 
 def _answer_grammar(guided: dict, special_tokens: frozenset[str]) -> str:
@@ -106,9 +107,7 @@ class Guides:
             return guide_grammar(guided, self.special_tokens, self.think_tokens)
         grammar = choice_grammar(tuple(tuple(self.tokenizer.encode(c, add_special_tokens=False))
                                        for c in guided["choice"]))
-        if "thinking" not in guided:
-            return grammar
-        return after_thinking(grammar, guided["thinking"], self.think_tokens)
+        return _after_thinking_if_asked(guided, grammar, self.think_tokens)
 
     def for_request(self, guided: dict | None) -> GuidedGrammar | None:
         if not guided:
