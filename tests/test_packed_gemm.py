@@ -172,12 +172,13 @@ def test_onednn_linear_on_the_plain_weight_matches_f_linear(shape):
 def test_aten_library_is_timed_for_cpu_gemm_aten_only():
     from tritonllm.devices.cpu.ops import CpuOps
 
-    weight = torch.randn(1536, 576)
+    weights = [torch.randn(1536, 576), torch.randn(576, 1536), torch.randn(1536, 576)]  # a shape twice: timed once
     aten = CpuOps(False, "aten", 64, False)
-    assert aten.choose_aten_library(weight, 64) in ("blas", "onednn")
+    assert aten.choose_aten_library(weights, 64) in ("blas", "onednn")
     assert ("oneDNN" in aten.plan()["linear"]) == (aten.aten_library == "onednn")
-    assert CpuOps(False, "aten", 64, False).choose_aten_library(weight.bfloat16(), 64) == "blas"  # bf16: torch's own choice
-    assert CpuOps(False, "onednn", 64, False).choose_aten_library(weight, 64) == "blas"  # packed: not aten
+    bf16 = [w.bfloat16() for w in weights]
+    assert CpuOps(False, "aten", 64, False).choose_aten_library(bf16, 64) == "blas"  # bf16: torch's own choice
+    assert CpuOps(False, "onednn", 64, False).choose_aten_library(weights, 64) == "blas"  # packed: not aten
 
 
 @pytest.mark.engine

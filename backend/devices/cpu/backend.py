@@ -69,8 +69,8 @@ class CpuBackend(DeviceBackend):
         if ops.gemm != "aten":
             self._tune_blocks(model, layers, screens)
         elif any(layer.weight is not None for layer in layers):
-            widest = max((layer.weight for layer in layers if layer.weight is not None), key=torch.Tensor.numel)
-            if ops.choose_aten_library(widest, self.runtime.max_num_seqs) == "onednn":
+            weights = [layer.weight for layer in layers if layer.weight is not None]
+            if ops.choose_aten_library([*weights, model.lm_head.weight], self.runtime.max_num_seqs) == "onednn":
                 logger.info("cpu_gemm=aten: torch's oneDNN linear, timed faster than F.linear's BLAS on this CPU")
         # greedy_screen=auto on the float32 head: the screen timed fastest against it, where one pays. Untimed
         # (cpu_gemm other than avx512, whose head is not the float32 one): the bfloat16 screen where the head

@@ -57,14 +57,23 @@ class CpuOps(LayerOps):
             return onednn_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
-    def choose_aten_library(self, weight: torch.Tensor, rows: int) -> str:
+    def choose_aten_library(self, weights: list[torch.Tensor], rows: int) -> str:
         """With `cpu_gemm=aten` on float32: which of torch's two CPU GEMM libraries the linears call, timed
-        once on `weight` (a model's own, [out, in]) at `rows` rows. oneDNN only where it takes at most 90 %
-        of BLAS's time, so that a CPU where both run alike keeps `F.linear` run after run (their sums are
-        ordered differently: the last bits differ)."""
-        if self.gemm == "aten" and weight.dtype == torch.float32 and onednn_linear_supported():
-            x = torch.randn(rows, weight.shape[1])
-            if faster(lambda: onednn_linear(x, weight, None), lambda: F.linear(x, weight), 0.9):
+        once at `rows` rows on a step's linears (`weights`: a model's own, [out, in]; each shape once). One
+        shape alone is a coin toss where the libraries are close on it and far apart on another (the LM
+        head; docs/PERFORMANCE.md). oneDNN only where it takes at most 90 % of BLAS's time, so that a CPU
+        where both run alike keeps `F.linear` run after run (their sums are ordered differently: the
+        last bits differ)."""
+        weights = [w for w in weights if w.dtype == torch.float32]
+        if self.gemm == "aten" and weights and onednn_linear_supported():
+            distinct = list({tuple(w.shape): w for w in weights}.values())
+            inputs = [torch.randn(rows, w.shape[1]) for w in distinct]
+
+            def step(linear) -> None:
+                for x, w in zip(inputs, distinct):
+                    linear(x, w)
+
+            if faster(lambda: step(lambda x, w: onednn_linear(x, w, None)), lambda: step(F.linear), 0.9):
                 self.aten_library = "onednn"
         return self.aten_library
 
