@@ -95,6 +95,30 @@ def test_chat_gives_reasoning_beside_content_whole_and_streamed():
     assert plain.response("id", MODEL, False)["choices"][0]["message"]["reasoning"] is None
 
 
+def test_usage_counts_the_tokens_spent_thinking():
+    """OpenAI's `completion_tokens_details.reasoning_tokens`: every token while the block is open, the one
+    that closes it too; a response that closes it and begins the answer (drafted tokens come several to a
+    response) gives the answer's tokens to the answer."""
+    words = lambda text: len(text.split())  # noqa: E731 - a tokenizer of words, for the count
+    pieces = [("Let me ", 2), ("see.</th", 2), ("ink>\n\nIt is ", 1), ("Paris.", 1)]
+    choices = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=True, count_tokens=words)
+    for k, (text, count) in enumerate(pieces):
+        choices.add(0, TritonOutput(texts=[text], token_counts=[count], num_input_tokens=3, final=k == 3,
+                                    finish_reasons=["stop"] if k == 3 else None))
+    assert choices.usage() == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
+                               "completion_tokens_details": {"reasoning_tokens": 5}}
+    straddling = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=False, count_tokens=words)
+    straddling.add(0, TritonOutput(texts=["<think>hm "], token_counts=[2], num_input_tokens=3))
+    straddling.add(0, TritonOutput(texts=["ok</think>It is Paris."], token_counts=[5], num_input_tokens=3,
+                                   final=True, finish_reasons=["stop"]))
+    assert straddling.usage()["completion_tokens_details"] == {"reasoning_tokens": 4}  # 2 + (5 - 3 words)
+    plain = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=False, count_tokens=words)
+    for out in _outputs(["Just ", "Paris."]):
+        plain.add(0, out)
+    assert plain.usage()["completion_tokens_details"] == {"reasoning_tokens": 0}
+    assert "completion_tokens_details" not in Choices(chat=True, n=1, num_prompts=1, top_logprobs=None).usage()
+
+
 def test_the_responses_api_gives_a_reasoning_item_before_the_message():
     choices = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=False)
     output = ResponseOutput(ResponsesRequest(input="hi"), MODEL)
@@ -177,11 +201,18 @@ def test_a_guided_answer_comes_after_free_thinking(openai_tools_client):
     assert message["reasoning_content"] == message["reasoning"]
     assert message["reasoning"] == "France's capital is Paris."  # free text, which the schema would refuse
     assert message["content"] == '{"city": "Paris"}' and whole.choices[0].finish_reason == "stop"
+    # The reasoning tokens: those up to the one whose text completes `</think>`.
+    spelled = [t.token for t in whole.choices[0].logprobs.content]
+    thinking = next(k + 1 for k in range(len(spelled)) if "</think>" in "".join(spelled[:k + 1]))
+    assert whole.usage.completion_tokens_details.reasoning_tokens == thinking < whole.usage.completion_tokens
     streamed = client.chat.completions.create(model=MODEL, messages=THINKING, max_tokens=48, temperature=0,
-                                              response_format=CITY_FORMAT, stream=True, extra_body=OPENED)
-    deltas = [c.choices[0].delta.model_dump() for c in streamed if c.choices]
+                                              response_format=CITY_FORMAT, stream=True, extra_body=OPENED,
+                                              stream_options={"include_usage": True})
+    chunks = list(streamed)
+    deltas = [c.choices[0].delta.model_dump() for c in chunks if c.choices]
     assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking
 
 
 @pytest.mark.server

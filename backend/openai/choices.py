@@ -28,6 +28,7 @@ class _Choice:
     completion_logprobs: dict = field(default_factory=lambda: {"tokens": [], "token_logprobs": [],
                                                                "top_logprobs": [], "text_offset": []})
     text_length: int = 0  # characters so far, for text_offset
+    reasoning_tokens: int = 0  # with a reasoning parser: the tokens spent thinking, `</think>` included
 
 
 @dataclass
@@ -56,12 +57,14 @@ class Choices:
 
     def __init__(self, chat: bool, n: int, num_prompts: int, top_logprobs: int | None, echo: list[str] | None = None,
                  tools: ToolPlan | None = None, token_bytes: Callable[[int], bytes | None] | None = None,
-                 thinking: bool | None = None):
+                 thinking: bool | None = None, count_tokens: Callable[[str], int] | None = None):
         """`token_bytes`: token id -> its own bytes (token_bytes.py), for chat log-probs' `bytes`; None: the
         UTF-8 of each token's text. `thinking`: chat with a reasoning parser (reasoning.py), whether the
-        answer starts inside the thinking block; None: no parser."""
+        answer starts inside the thinking block; None: no parser. `count_tokens`: text -> its token count,
+        for the reasoning tokens of a response that both ends the thinking and begins the answer."""
         self.chat, self.n, self.top_n = chat, n, top_logprobs
         self._token_bytes = token_bytes
+        self._count_tokens = count_tokens
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         # Chat with tools: each choice's text is read for calls as it arrives.
         self._tools = tools
@@ -88,17 +91,20 @@ class Choices:
             if self._echo is not None and index not in self._echoed:
                 self._echoed.add(index)
                 text = self._echo[prompt_index] + text
-            choice.tokens += out.token_counts[i] if i < len(out.token_counts) else 0
+            count = out.token_counts[i] if i < len(out.token_counts) else 0
+            choice.tokens += count
             logprobs = None
             if out.top_logprobs is not None and i < len(out.top_logprobs):
                 logprobs = self._logprobs(choice, out.top_logprobs[i])
             reasoning = ""
             thoughts = self._reasoning[index]
             if thoughts is not None:
+                closed = thoughts.closed
                 reasoning, text = thoughts.feed(text)
                 if out.final:
                     more, rest = thoughts.finish()
                     reasoning, text = reasoning + more, text + rest
+                choice.reasoning_tokens += self._thinking_tokens(thoughts, count, text, closed)
             choice.text.append(text)
             choice.text_length += len(text)
             calls = self._calls[index]
@@ -111,6 +117,19 @@ class Choices:
                 deltas.append(Delta(index, text, logprobs, choice.finish_reason if out.final else None,
                                     reasoning=reasoning))
         return deltas
+
+    def _thinking_tokens(self, thoughts: ReasoningStream, count: int, answer: str, closed_before: bool) -> int:
+        """How many of a response's `count` tokens were thinking: all while the block stays open; where
+        the block ended in this response, all but those of the answer's text after it (one response can
+        carry several tokens: drafted ones, or text held back), and the token that ended it at least."""
+        if thoughts.thinking:
+            return count
+        if not thoughts.closed or closed_before:
+            return 0
+        if not answer.strip():
+            return count
+        answer_tokens = self._count_tokens(answer) if self._count_tokens is not None else 0
+        return min(count, max(1, count - answer_tokens))
 
     def reasoning(self, index: int) -> str | None:
         """Choice `index`'s thinking so far: None without a reasoning parser, or where it had none."""
@@ -185,7 +204,10 @@ class Choices:
     def usage(self) -> dict:
         prompt = sum(self.prompt_tokens)
         completion = sum(c.tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if any(thoughts is not None for thoughts in self._reasoning):  # OpenAI's field, for reasoning models
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in self.choices)}
+        return usage
 
     # ---- whole responses ----------------------------------------------------------------------
     def response(self, request_id: str, model: str, want_logprobs: bool) -> dict:

@@ -52,6 +52,7 @@ class ReasoningStream:
     """One choice's text, fed piece by piece -> (reasoning, answer) of each piece, in order."""
 
     thinking: bool = False  # inside the block now
+    closed: bool = False  # the block has ended
     reasoning: list[str] = field(default_factory=list)
     _buffer: str = ""
     _opening: bool = True  # nothing but whitespace has come yet
@@ -75,7 +76,7 @@ class ReasoningStream:
             end = self._buffer.find(END)
             if end >= 0:
                 reasoning.append(self._buffer[:end])
-                self.thinking, self._buffer = False, self._buffer[end + len(END):]
+                self.thinking, self.closed, self._buffer = False, True, self._buffer[end + len(END):]
                 continue
             keep = _held(self._buffer, END)
             reasoning.append(self._buffer[:len(self._buffer) - keep])

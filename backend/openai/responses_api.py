@@ -423,7 +423,8 @@ class ResponseOutput:
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
         self.response["usage"] = {
             "input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {
+                "reasoning_tokens": usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
             "total_tokens": usage["total_tokens"]}
         kind = "response.incomplete" if cut else "response.completed"
         return events + [self._event(kind, response=self._snapshot())]

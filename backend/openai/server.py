@@ -324,7 +324,9 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
                 sampling["guided_decoding"] = {**sampling["guided_decoding"], "thinking": "open" if thinking else "allowed"}
         requests = [TritonRequest(model, list(ids), sampling, body.stream, body.return_logprobs, request_id)]
         choices = Choices(chat=True, n=body.n, num_prompts=1, top_logprobs=body.top_logprobs, tools=plan,
-                          token_bytes=token_bytes_of(tokenizer) if body.logprobs else None, thinking=thinking)
+                          token_bytes=token_bytes_of(tokenizer) if body.logprobs else None, thinking=thinking,
+                          count_tokens=(lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+                          if thinking is not None else None)
         return model, requests, choices
 
     stored = ResponseStore()
