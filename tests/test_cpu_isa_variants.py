@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -139,16 +140,17 @@ def test_each_variant_this_cpu_runs_passes_the_kernel_tests(name):
 
 
 AARCH64_CXX = "aarch64-linux-gnu-g++"
-# torch's headers the sources include, parsed once into a precompiled header (about 13 s, then about
-# 1 s a source instead of 7).
-TORCH_HEADERS = ("ATen/ATen.h", "ATen/Parallel.h", "ATen/core/dispatch/Dispatcher.h", "torch/library.h")
+# torch's headers the sources include, parsed once into a precompiled header, so that each source's
+# check is its own code's.
+TORCH_HEADERS = sorted({m.group(1) for path in [*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]
+                        for m in re.finditer(r"^#include <((?:ATen|c10|torch)/[^>]+)>", path.read_text(), re.M)})
 
 
 @pytest.fixture(scope="module")
 def aarch64_flags(tmp_path_factory):
     """The flags torch's builder gives the sources (its C++ standard, c++20 in torch 2.13; its include
     folders and Python's as system headers), the generic variant's (none) and ours, plus the torch
-    headers precompiled for aarch64 (about 450 MB, removed after the module)."""
+    headers precompiled for aarch64 (hundreds of MB, removed after the module)."""
     from torch.utils.cpp_extension import include_paths
 
     folder = tmp_path_factory.mktemp("aarch64_pch")

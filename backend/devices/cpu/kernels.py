@@ -52,7 +52,7 @@ _NAME = "tritonllm_cpu_kernels"
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp",
              "screened_greedy_head.cpp", "int8_greedy_screen.cpp", "exact_block_gemm.cpp", "decoder_stack.cpp",
-             "lora_delta.cpp")]
+             "lora_delta.cpp", "registration.cpp")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str, "variant": str

@@ -2,7 +2,8 @@
 // y allocated, and the result shaped like x.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cstdint>
 #include <string>

@@ -12,9 +12,12 @@
 // what devices/cpu/packed_linear.py's PackedWeight would read at this row count: a packed_gemm panel
 // weight, or the exact blocks (codes with their scales) for block_gemm.
 
-#include <ATen/ATen.h>
+#include <ATen/ops/rms_norm.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 #include <vector>
 
@@ -52,6 +55,10 @@ const Ops& ops() {
   static const Ops instance;  // looked up once: the other files' ops are registered by then
   return instance;
 }
+
+}  // namespace
+
+namespace tritonllm {
 
 // hidden [tokens, hidden_size]: the embeddings, which become the residual stream (updated in place).
 // Per layer l: norms[2l], norms[2l + 1] (input and post-attention RMSNorm weights; empty for OLMo,
@@ -145,15 +152,4 @@ at::Tensor decoder_stack(const at::Tensor& hidden_in, at::TensorList norms, at::
   return residual.add_(hidden);
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
-  m.def("decoder_stack(Tensor(c!) hidden, Tensor[] norms, Tensor[] weights, Tensor?[] scales, Tensor?[] biases, "
-        "int[] out_features, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cos, Tensor sin, "
-        "Tensor slot_mapping, Tensor block_table, Tensor row_seq, Tensor row_end, Tensor row_start, "
-        "Tensor[] qk_norms, bool whole_projection_norms, Tensor[] output_norms, float scale, float eps, int num_heads, "
-        "int num_kv_heads, Tensor? lora_table, int lora_slots, int[] lora_segments) "
-        "-> Tensor(c!)");
-}
-
-TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("decoder_stack", &decoder_stack); }
+}  // namespace tritonllm

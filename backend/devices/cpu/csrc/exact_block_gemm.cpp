@@ -28,9 +28,10 @@
 //   Q8_0: codes [K, 32] int8; scales [K / 32, 32] float32, a block's d.
 //   bfloat16: codes [K, 32] bfloat16 (64 bytes a k step); scales [K / 32, 0, 32] (none).
 
-#include <ATen/ATen.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 #include "block_gemm_call.h"
 #include "claimed_chunks.h"
@@ -80,6 +81,10 @@ bool products_exact(const at::Tensor& q, const at::Tensor& d) {
   });
   return exact.load();
 }
+
+}  // namespace
+
+namespace tritonllm {
 
 // (codes, scales) for W [N, K] given as q [N, K] and d, m [N, K / 32] float32: uint8 q (0..15) with d
 // and m (Q4_1), int8 q with d (Q8_0), or bfloat16 q, the values themselves, with neither (bfloat16).
@@ -131,6 +136,10 @@ std::tuple<at::Tensor, at::Tensor> pack_block_weight(const at::Tensor& q_in, con
   });
   return {codes, scales};
 }
+
+}  // namespace tritonllm
+
+namespace {
 
 #if TRITONLLM_PANEL_GEMM
 
@@ -277,7 +286,6 @@ constexpr std::array<Microkernel, kMaxRows + 1> microkernel_table(std::integer_s
 template <typename F>
 constexpr auto kMicrokernels = microkernel_table<F>(std::make_integer_sequence<int, kMaxRows>{});
 
-
 // One row takes two panels per microkernel call (see microkernel): two independent FMA chains per
 // column vector instead of one hide the FMA latency that a single row cannot, on AVX2 (4 vectors a
 // panel) as on AVX-512 (docs/HISTORY.md has both measurements).
@@ -334,6 +342,10 @@ void run_panels(const float* xp, int64_t k, const uint8_t* codes, const float* s
 
 #endif
 
+}  // namespace
+
+namespace tritonllm {
+
 at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& bias_in, int64_t out_features) {
 #if TRITONLLM_PANEL_GEMM
@@ -348,14 +360,4 @@ at::Tensor block_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at:
 #endif
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
-  m.def("pack_block_weight(Tensor q, Tensor? d, Tensor? m) -> (Tensor, Tensor)");
-  m.def("block_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int out_features) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tritonllm, CPU, m) {
-  m.impl("pack_block_weight", &pack_block_weight);
-  m.impl("block_gemm", &block_gemm);
-}
+}  // namespace tritonllm

@@ -14,11 +14,13 @@
 // summation order of RMSNorm's mean and FMA contraction differ (-ffast-math), ~1e-7 relative.
 // SiLU's exp argument is clamped so that -ffast-math never meets an infinity.
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,6 +34,10 @@ void check_float(const at::Tensor& t, const char* what) {
 
 // Rows of [rows, hidden]; one parallel grain is enough rows to amortise a thread hand-off.
 constexpr int64_t kRowGrain = 8;
+
+}  // namespace
+
+namespace tritonllm {
 
 at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_float(residual, "add_rms_norm_");
@@ -65,6 +71,10 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
   });
   return out;
 }
+
+}  // namespace tritonllm
+
+namespace {
 
 template <typename Elem>  // the pool's element type
 void rope_write_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
@@ -111,6 +121,10 @@ void rope_write_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
     }
   });
 }
+
+}  // namespace
+
+namespace tritonllm {
 
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                          at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
@@ -164,17 +178,4 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
-  m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tritonllm, CPU, m) {
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("rope_write_kv", &rope_write_kv);
-  m.impl("silu_mul", &silu_mul);
-}
+}  // namespace tritonllm

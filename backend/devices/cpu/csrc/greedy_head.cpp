@@ -8,9 +8,10 @@
 // float32 only. Ties go to the lowest index, as torch's max/argmax. The exp argument is clamped at
 // -87 (exp(-87) < 1e-37 against a sum of at least 1) so -ffast-math never meets an infinity.
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -84,6 +85,10 @@ int64_t first_argmax(const float* x, int64_t n, float& best) {
   return arg;
 }
 
+}  // namespace
+
+namespace tritonllm {
+
 std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& logits_in, bool logprobs_wanted) {
   TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "greedy_head: logits [batch, vocab]");
   TORCH_CHECK(logits_in.scalar_type() == at::kFloat, "greedy_head: float32 only");
@@ -113,8 +118,4 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& logits_in, bool
   return {ids, logprobs};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tritonllm, m) { m.def("greedy_head(Tensor logits, bool logprobs=True) -> (Tensor, Tensor)"); }
-
-TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("greedy_head", &greedy_head); }
+}  // namespace tritonllm

@@ -28,9 +28,11 @@
 //   int32: -128 * sum_k q_jk, since x^ is stored as x^ + 128 (the dot products multiply unsigned bytes
 //   of x by signed bytes of W; halved for the offset of 64).
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 #include "claimed_chunks.h"
 #include "screen_rescore.h"
@@ -69,6 +71,10 @@ bool cpu_has_avx_vnni() {
 }
 #endif
 
+}  // namespace
+
+namespace tritonllm {
+
 std::string int8_screen_instructions() {
 #if TRITONLLM_INT8_SCREEN == 512
   return "AVX512-VNNI";
@@ -80,6 +86,10 @@ std::string int8_screen_instructions() {
 }
 
 bool int8_screen_supported() { return TRITONLLM_INT8_SCREEN != 0; }
+
+}  // namespace tritonllm
+
+namespace {
 
 #if TRITONLLM_INT8_SCREEN
 
@@ -259,6 +269,10 @@ void screen_rows(const float* xp, int64_t rows, const Int8Head& head, int64_t gr
 
 #endif
 
+}  // namespace
+
+namespace tritonllm {
+
 std::tuple<at::Tensor, at::Tensor> int8_greedy_screen(const at::Tensor& x_in, const at::Tensor& codes_in,
                                                       const at::Tensor& d_in, const at::Tensor& negq_in,
                                                       const at::Tensor& c_in, const at::Tensor& weight_in,
@@ -304,13 +318,4 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_screen(const at::Tensor& x_in, co
   return {ids, candidates};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
-  m.def("int8_screen_supported() -> bool", &int8_screen_supported);  // no tensors: a catch-all kernel
-  m.def("int8_screen_instructions() -> str", &int8_screen_instructions);
-  m.def("int8_greedy_screen(Tensor x, Tensor codes, Tensor d, Tensor negq, Tensor c, Tensor weight, int steps)"
-        " -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("int8_greedy_screen", &int8_greedy_screen); }
+}  // namespace tritonllm

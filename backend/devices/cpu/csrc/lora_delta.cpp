@@ -14,9 +14,9 @@
 
 #include "lora_delta.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 #include <algorithm>
 #include <vector>
@@ -290,18 +290,6 @@ std::vector<Adapter> adapters_of(const c10::List<c10::optional<at::Tensor>>& a, 
   return slots;
 }
 
-at::Tensor lora_delta_(at::Tensor& y, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& a,
-                       const c10::List<c10::optional<at::Tensor>>& b, const c10::List<c10::optional<at::Tensor>>& parts,
-                       at::IntArrayRef segments) {
-  TORCH_CHECK(a.size() == b.size() && a.size() == parts.size(), "lora_delta_: one A, B and parts per slot");
-  check_rows(y, x, segments);
-  const int64_t num_slots = static_cast<int64_t>(a.size());
-  std::vector<Adapter> slots = adapters_of(a, b, parts, num_slots, x.size(1), y.size(1));
-  add_delta(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0), x.size(1), y.size(1), slots.data(),
-            num_slots, segments.data(), static_cast<int64_t>(segments.size()) / 3);
-  return y;
-}
-
 }  // namespace
 
 void add_delta_from_table(at::Tensor& y, const at::Tensor& x, const int64_t* table, int64_t num_slots,
@@ -315,13 +303,23 @@ void add_delta_from_table(at::Tensor& y, const at::Tensor& x, const int64_t* tab
                        reinterpret_cast<const int64_t*>(row[3]), row[4]};
   }
   add_delta(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0), x.size(1), y.size(1), slots.data(),
-            num_slots, segments.data(), static_cast<int64_t>(segments.size()) / 3);
+                  num_slots, segments.data(), static_cast<int64_t>(segments.size()) / 3);
 }
 
 }  // namespace tritonllm::lora
 
-TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
-  m.def("lora_delta_(Tensor(a!) y, Tensor x, Tensor?[] a, Tensor?[] b, Tensor?[] parts, int[] segments) -> Tensor(a!)");
+namespace tritonllm {
+
+at::Tensor lora_delta_(at::Tensor& y, const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& a,
+                       const c10::List<c10::optional<at::Tensor>>& b, const c10::List<c10::optional<at::Tensor>>& parts,
+                       at::IntArrayRef segments) {
+  TORCH_CHECK(a.size() == b.size() && a.size() == parts.size(), "lora_delta_: one A, B and parts per slot");
+  lora::check_rows(y, x, segments);
+  const int64_t num_slots = static_cast<int64_t>(a.size());
+  std::vector<lora::Adapter> slots = lora::adapters_of(a, b, parts, num_slots, x.size(1), y.size(1));
+  lora::add_delta(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0), x.size(1), y.size(1), slots.data(),
+                  num_slots, segments.data(), static_cast<int64_t>(segments.size()) / 3);
+  return y;
 }
 
-TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("lora_delta_", &tritonllm::lora::lora_delta_); }
+}  // namespace tritonllm

@@ -1,7 +1,7 @@
 // Multi-LoRA deltas on the CPU (lora_delta.cpp): what the op `lora_delta_` and the decoder stack share.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

@@ -27,9 +27,11 @@
 // `packed_gemm_supported()` is false and the engine keeps oneDNN (devices/cpu/packed_linear.py);
 // likewise `packed_gemm_bf16_supported()` without AVX512-BF16, and the engine keeps the float32 kernel.
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 #include "claimed_chunks.h"
 #include "panel_vectors.h"
@@ -55,6 +57,10 @@ constexpr int64_t kRowChunkBytes = 384 << 10;  // x rows per chunk: this many by
 // row block's pass, near enough to stay in L1 (the distances tried are in docs/HISTORY.md).
 constexpr int64_t kPrefetchRows = 32;
 constexpr int64_t kClaimsPerThread = 8;        // panel runs each thread claims per row chunk (claimed_chunks.h)
+
+}  // namespace
+
+namespace tritonllm {
 
 bool packed_gemm_supported() { return TRITONLLM_PANEL_GEMM; }
 
@@ -99,6 +105,10 @@ at::Tensor pack_gemm_weight_bf16(const at::Tensor& weight_in) {
   });
   return packed;
 }
+
+}  // namespace tritonllm
+
+namespace {
 
 #if TRITONLLM_PANEL_GEMM
 
@@ -283,6 +293,10 @@ std::vector<int64_t> out_shape(const at::Tensor& x_in, int64_t n) {
   return shape;
 }
 
+}  // namespace
+
+namespace tritonllm {
+
 at::Tensor packed_gemm(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias_in,
                        int64_t out_features) {
   TORCH_CHECK(packed_gemm_supported(), "packed_gemm: built without AVX-512 or AVX2 + FMA");
@@ -300,6 +314,10 @@ at::Tensor packed_gemm(const at::Tensor& x_in, const at::Tensor& packed, const c
 #endif
   return y.view(out_shape(x_in, n));
 }
+
+}  // namespace tritonllm
+
+namespace {
 
 #if TRITONLLM_PANEL_GEMM
 // float32 -> bfloat16 bits, round to nearest even, NaN kept a (quiet) NaN: c10::BFloat16's rounding,
@@ -329,6 +347,10 @@ const uint16_t* round_rows_to_bf16(const float* x, int64_t ldx, int64_t m, int64
 }
 #endif
 
+}  // namespace
+
+namespace tritonllm {
+
 // As packed_gemm, on a weight from pack_gemm_weight_bf16; x is rounded to bfloat16 here (an odd K
 // gets a zero pair partner, matching the weight's zero padding).
 at::Tensor packed_gemm_bf16(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias_in,
@@ -354,20 +376,4 @@ at::Tensor packed_gemm_bf16(const at::Tensor& x_in, const at::Tensor& packed, co
   return y.view(out_shape(x_in, n));
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
-  m.def("packed_gemm_supported() -> bool", &packed_gemm_supported);  // no tensors: a catch-all kernel
-  m.def("pack_gemm_weight(Tensor weight) -> Tensor");
-  m.def("packed_gemm(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  m.def("packed_gemm_bf16_supported() -> bool", &packed_gemm_bf16_supported);
-  m.def("pack_gemm_weight_bf16(Tensor weight) -> Tensor");
-  m.def("packed_gemm_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features, int in_features) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tritonllm, CPU, m) {
-  m.impl("pack_gemm_weight", &pack_gemm_weight);
-  m.impl("packed_gemm", &packed_gemm);
-  m.impl("pack_gemm_weight_bf16", &pack_gemm_weight_bf16);
-  m.impl("packed_gemm_bf16", &packed_gemm_bf16);
-}
+}  // namespace tritonllm

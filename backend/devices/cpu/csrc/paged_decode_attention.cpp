@@ -38,11 +38,12 @@
 // Built with -ffast-math: nothing here produces an infinity or a NaN (masked keys of a partial block
 // get a finite -1e30 score and are never read from V), which that flag requires.
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 #include "claimed_chunks.h"
 
@@ -434,6 +435,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+}  // namespace
+
+namespace tritonllm {
+
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table_in, const at::Tensor& row_seq_in,
                                   const at::Tensor& row_end_in, const at::Tensor& row_start_in, double scale) {
@@ -482,11 +487,4 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor row_seq, "
-        "Tensor row_end, Tensor row_start, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+}  // namespace tritonllm

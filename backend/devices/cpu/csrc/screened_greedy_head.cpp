@@ -14,9 +14,10 @@
 // float32 head's argmax bit for bit. The log-prob needs every logit exactly, so rows that want it
 // keep the float32 head (runner/head.py).
 //
-#include <ATen/ATen.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "ops.h"
 
 #include "screen_rescore.h"
 
@@ -42,6 +43,10 @@ float screen_floor(const float* a, const float* bound, int64_t n, float xn) {
   for (int64_t j = 0; j < n; ++j) floor = std::max(floor, a[j] - xn * bound[j]);
   return floor;
 }
+
+}  // namespace
+
+namespace tritonllm {
 
 std::tuple<at::Tensor, at::Tensor> screened_greedy_head(const at::Tensor& x_in, const at::Tensor& approx_in,
                                                         const at::Tensor& weight_in, const at::Tensor& bound_in) {
@@ -77,10 +82,4 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_head(const at::Tensor& x_in, 
   return {ids, candidates};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tritonllm, m) {
-  m.def("screened_greedy_head(Tensor x, Tensor approx, Tensor weight, Tensor col_bounds) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(tritonllm, CPU, m) { m.impl("screened_greedy_head", &screened_greedy_head); }
+}  // namespace tritonllm
