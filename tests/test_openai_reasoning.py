@@ -95,27 +95,51 @@ def test_chat_gives_reasoning_beside_content_whole_and_streamed():
     assert plain.response("id", MODEL, False)["choices"][0]["message"]["reasoning"] is None
 
 
-def test_usage_counts_the_tokens_spent_thinking():
-    """OpenAI's `completion_tokens_details.reasoning_tokens`: every token while the block is open, the one
-    that closes it too; a response that closes it and begins the answer (drafted tokens come several to a
-    response) gives the answer's tokens to the answer."""
-    words = lambda text: len(text.split())  # noqa: E731 - a tokenizer of words, for the count
-    pieces = [("Let me ", 2), ("see.</th", 2), ("ink>\n\nIt is ", 1), ("Paris.", 1)]
-    choices = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=True, count_tokens=words)
-    for k, (text, count) in enumerate(pieces):
-        choices.add(0, TritonOutput(texts=[text], token_counts=[count], num_input_tokens=3, final=k == 3,
-                                    finish_reasons=["stop"] if k == 3 else None))
-    assert choices.usage() == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
-                               "completion_tokens_details": {"reasoning_tokens": 5}}
-    straddling = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=False, count_tokens=words)
-    straddling.add(0, TritonOutput(texts=["<think>hm "], token_counts=[2], num_input_tokens=3))
-    straddling.add(0, TritonOutput(texts=["ok</think>It is Paris."], token_counts=[5], num_input_tokens=3,
-                                   final=True, finish_reasons=["stop"]))
-    assert straddling.usage()["completion_tokens_details"] == {"reasoning_tokens": 4}  # 2 + (5 - 3 words)
-    plain = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=False, count_tokens=words)
-    for out in _outputs(["Just ", "Paris."]):
-        plain.add(0, out)
-    assert plain.usage()["completion_tokens_details"] == {"reasoning_tokens": 0}
+VOCAB = ["<", "think", ">", "Let", " me", " see.", "</", "{\"", "city", "\"}", "</think>", "<|eos|>"]
+
+
+def _usage(pieces: list[tuple[list[str], str]], thinking: bool) -> dict:
+    """Usage after responses that each carry these tokens (of VOCAB) and this text (which may lag them)."""
+    choices = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=thinking,
+                      decode=lambda ids: "".join(VOCAB[i] for i in ids))
+    for k, (tokens, text) in enumerate(pieces):
+        last = k == len(pieces) - 1
+        choices.add(0, TritonOutput(texts=[text], token_counts=[len(tokens)], ids=[[VOCAB.index(t) for t in tokens]],
+                                    num_input_tokens=3, final=last, finish_reasons=["stop"] if last else None))
+    return choices.usage()
+
+
+@pytest.mark.parametrize("pieces, thinking, expected", [
+    # The prompt opened the block; one token a response, the end-of-sequence token last (no text).
+    ([(["Let"], "Let"), ([" me"], " me"), (["</"], "</"), (["think"], "think"), ([">"], ">"), (["{\""], "{\""),
+      (["<|eos|>"], "")], True, 5),
+    # The same whole, in one response.
+    ([(["Let", " me", "</", "think", ">", "{\"", "<|eos|>"], 'Let me</think>{"')], True, 5),
+    # The text lags the tokens (held back while a stop string may be forming).
+    ([(["Let", " me"], "Let me"), (["</", "think"], ""), ([">", "{\""], ""), (["city"], '</think>{"city')], True, 5),
+    # The output opens the block, spelled in pieces; `</think>` is one token, the answer's first in its response.
+    ([(["<"], "<"), (["think"], "think"), ([">"], ">"), (["Let"], "Let"), (["</think>", "{\""], '</think>{"'),
+      (["<|eos|>"], "")], False, 5),
+    # Cut while thinking: every token.
+    ([(["Let", " me"], "Let me"), (["</"], "</")], True, 3),
+    # No block: none.
+    ([(["{\""], '{"'), (["city", "<|eos|>"], "city")], False, 0),
+    ([(["<"], "<"), (["city"], "city")], False, 0),
+])
+def test_usage_counts_the_tokens_spent_thinking_on_the_token_ids(pieces, thinking, expected):
+    """OpenAI's `completion_tokens_details.reasoning_tokens`: the tokens up to and including the one whose
+    text completes `</think>`, all of them while the block is open, whatever the responses' sizes and
+    however far their text lags their tokens."""
+    usage = _usage(pieces, thinking)
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": expected}
+    assert usage["completion_tokens"] == sum(len(tokens) for tokens, _ in pieces)
+
+
+def test_usage_has_no_thinking_count_without_the_token_ids():
+    without_ids = Choices(chat=True, n=1, num_prompts=1, top_logprobs=None, thinking=True, decode=str)
+    without_ids.add(0, TritonOutput(texts=["hm</think>x"], token_counts=[3], num_input_tokens=3, final=True,
+                                    finish_reasons=["stop"]))
+    assert "completion_tokens_details" not in without_ids.usage()  # a model that sends no ids: not counted
     assert "completion_tokens_details" not in Choices(chat=True, n=1, num_prompts=1, top_logprobs=None).usage()
 
 
@@ -201,18 +225,47 @@ def test_a_guided_answer_comes_after_free_thinking(openai_tools_client):
     assert message["reasoning_content"] == message["reasoning"]
     assert message["reasoning"] == "France's capital is Paris."  # free text, which the schema would refuse
     assert message["content"] == '{"city": "Paris"}' and whole.choices[0].finish_reason == "stop"
-    # The reasoning tokens: those up to the one whose text completes `</think>`.
-    spelled = [t.token for t in whole.choices[0].logprobs.content]
-    thinking = next(k + 1 for k in range(len(spelled)) if "</think>" in "".join(spelled[:k + 1]))
-    assert whole.usage.completion_tokens_details.reasoning_tokens == thinking < whole.usage.completion_tokens
+    assert whole.usage.completion_tokens_details.reasoning_tokens == _thinking_tokens(whole)
     streamed = client.chat.completions.create(model=MODEL, messages=THINKING, max_tokens=48, temperature=0,
-                                              response_format=CITY_FORMAT, stream=True, extra_body=OPENED,
-                                              stream_options={"include_usage": True})
-    chunks = list(streamed)
-    deltas = [c.choices[0].delta.model_dump() for c in chunks if c.choices]
+                                              response_format=CITY_FORMAT, stream=True, extra_body=OPENED)
+    deltas = [c.choices[0].delta.model_dump() for c in streamed if c.choices]
     assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
     assert "".join(d.get("content") or "" for d in deltas) == message["content"]
-    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking
+
+
+def _thinking_tokens(completion) -> int:
+    """The tokens up to and including the one whose text completes `</think>` (by the answer's log-probs)."""
+    spelled = [t.token for t in completion.choices[0].logprobs.content]
+    return next(k + 1 for k in range(len(spelled)) if "</think>" in "".join(spelled[:k + 1]))
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("messages, extra", [
+    (THINKING, {**OPENED}),  # ends with the end-of-sequence token
+    (THINKING, {**OPENED, "stop": ['Paris"']}),  # the text is held back while the stop string may be forming
+    (FEW_SHOT, {}),  # the model opens the block itself, spelling `<think>` in pieces
+], ids=["prompt-opened", "stop-string", "output-opened"])
+def test_usage_counts_the_thinking_tokens_whole_and_streamed(openai_tools_client, messages, extra):
+    client = openai_tools_client
+    stop = extra.pop("stop", None)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0, stop=stop,
+                                           logprobs=True, extra_body=extra)
+    thinking = _thinking_tokens(whole)
+    assert 0 < thinking < whole.usage.completion_tokens
+    assert whole.usage.completion_tokens_details.reasoning_tokens == thinking
+    for logprobs in (True, False):  # one token a response, and whatever the server's pieces are
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=48, temperature=0, stop=stop, logprobs=logprobs, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body=extra))
+        counts = [c.usage.completion_tokens_details.reasoning_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == thinking, counts
+    if not extra:  # /v1/responses: no prompt opening the block there
+        response = client.responses.create(model=MODEL, input=messages, max_output_tokens=48, temperature=0)
+        assert response.usage.output_tokens_details.reasoning_tokens == thinking
+        streamed = client.responses.create(model=MODEL, input=messages, max_output_tokens=48, temperature=0,
+                                           stream=True)
+        completed = [e for e in streamed if e.type == "response.completed"]
+        assert completed[0].response.usage.output_tokens_details.reasoning_tokens == thinking
 
 
 @pytest.mark.server

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tritonllm.openai.reasoning import ReasoningStream
+from tritonllm.openai.reasoning import ReasoningStream, ThinkingTokens
 from tritonllm.openai.tool_parsers import ToolCallStream
 from tritonllm.openai.tools import ToolPlan
 from tritonllm.openai.triton import TritonOutput
@@ -28,7 +28,6 @@ class _Choice:
     completion_logprobs: dict = field(default_factory=lambda: {"tokens": [], "token_logprobs": [],
                                                                "top_logprobs": [], "text_offset": []})
     text_length: int = 0  # characters so far, for text_offset
-    reasoning_tokens: int = 0  # with a reasoning parser: the tokens spent thinking, `</think>` included
 
 
 @dataclass
@@ -57,14 +56,13 @@ class Choices:
 
     def __init__(self, chat: bool, n: int, num_prompts: int, top_logprobs: int | None, echo: list[str] | None = None,
                  tools: ToolPlan | None = None, token_bytes: Callable[[int], bytes | None] | None = None,
-                 thinking: bool | None = None, count_tokens: Callable[[str], int] | None = None):
+                 thinking: bool | None = None, decode: Callable[[list[int]], str] | None = None):
         """`token_bytes`: token id -> its own bytes (token_bytes.py), for chat log-probs' `bytes`; None: the
         UTF-8 of each token's text. `thinking`: chat with a reasoning parser (reasoning.py), whether the
-        answer starts inside the thinking block; None: no parser. `count_tokens`: text -> its token count,
-        for the reasoning tokens of a response that both ends the thinking and begins the answer."""
+        answer starts inside the thinking block; None: no parser. `decode`: token ids -> text (special
+        tokens kept), to count the thinking's tokens for usage; None: not counted."""
         self.chat, self.n, self.top_n = chat, n, top_logprobs
         self._token_bytes = token_bytes
-        self._count_tokens = count_tokens
         self.choices = [_Choice() for _ in range(n * num_prompts)]
         # Chat with tools: each choice's text is read for calls as it arrives.
         self._tools = tools
@@ -73,6 +71,9 @@ class Choices:
         # With a reasoning parser: each choice's thinking is read apart from its answer first.
         self._reasoning = [ReasoningStream(thinking=thinking) if thinking is not None else None
                            for _ in self.choices]
+        self._thinking_tokens = [ThinkingTokens(decode) if thinking is not None and decode is not None else None
+                                 for _ in self.choices]
+        self._ids_missing = False  # a response without token ids (another model): no thinking count
         self.prompt_tokens = [0] * num_prompts
         self.prompt_logprobs: list = [None] * num_prompts
         self._echo = echo  # completions with echo: each prompt's text, leading its choices' text
@@ -91,20 +92,23 @@ class Choices:
             if self._echo is not None and index not in self._echoed:
                 self._echoed.add(index)
                 text = self._echo[prompt_index] + text
-            count = out.token_counts[i] if i < len(out.token_counts) else 0
-            choice.tokens += count
+            choice.tokens += out.token_counts[i] if i < len(out.token_counts) else 0
+            counter = self._thinking_tokens[index]
+            if counter is not None:
+                if out.ids is not None and i < len(out.ids):
+                    counter.ids += out.ids[i]
+                else:
+                    self._ids_missing = True
             logprobs = None
             if out.top_logprobs is not None and i < len(out.top_logprobs):
                 logprobs = self._logprobs(choice, out.top_logprobs[i])
             reasoning = ""
             thoughts = self._reasoning[index]
             if thoughts is not None:
-                closed = thoughts.closed
                 reasoning, text = thoughts.feed(text)
                 if out.final:
                     more, rest = thoughts.finish()
                     reasoning, text = reasoning + more, text + rest
-                choice.reasoning_tokens += self._thinking_tokens(thoughts, count, text, closed)
             choice.text.append(text)
             choice.text_length += len(text)
             calls = self._calls[index]
@@ -117,19 +121,6 @@ class Choices:
                 deltas.append(Delta(index, text, logprobs, choice.finish_reason if out.final else None,
                                     reasoning=reasoning))
         return deltas
-
-    def _thinking_tokens(self, thoughts: ReasoningStream, count: int, answer: str, closed_before: bool) -> int:
-        """How many of a response's `count` tokens were thinking: all while the block stays open; where
-        the block ended in this response, all but those of the answer's text after it (one response can
-        carry several tokens: drafted ones, or text held back), and the token that ended it at least."""
-        if thoughts.thinking:
-            return count
-        if not thoughts.closed or closed_before:
-            return 0
-        if not answer.strip():
-            return count
-        answer_tokens = self._count_tokens(answer) if self._count_tokens is not None else 0
-        return min(count, max(1, count - answer_tokens))
 
     def reasoning(self, index: int) -> str | None:
         """Choice `index`'s thinking so far: None without a reasoning parser, or where it had none."""
@@ -205,8 +196,11 @@ class Choices:
         prompt = sum(self.prompt_tokens)
         completion = sum(c.tokens for c in self.choices)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        if any(thoughts is not None for thoughts in self._reasoning):  # OpenAI's field, for reasoning models
-            usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in self.choices)}
+        counters = [c for c in self._thinking_tokens if c is not None]
+        if counters and not self._ids_missing:  # OpenAI's field, for reasoning models
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+                counter.count(thoughts.thinking or thoughts.closed)
+                for counter, thoughts in zip(self._thinking_tokens, self._reasoning))}
         return usage
 
     # ---- whole responses ----------------------------------------------------------------------

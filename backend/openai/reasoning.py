@@ -12,6 +12,7 @@ vLLM's parser names, `deepseek_r1` and `qwen3`, both select this reader.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 START, END = "<think>", "</think>"
@@ -96,3 +97,39 @@ class ReasoningStream:
         if text:
             self.reasoning.append(text)
         return text
+
+
+@dataclass
+class ThinkingTokens:
+    """One choice's thinking in tokens: those up to and including the one whose text completes `</think>`,
+    or all of them while the block is open. Counted on the output's token ids, not on its text, since the
+    text can lag the tokens (held back while a stop string may be forming) and a response can carry the
+    block's end and the answer's start in one piece, or the end-of-sequence token after it."""
+
+    decode: Callable[[list[int]], str]  # token ids -> their text, special tokens kept
+    ids: list[int] = field(default_factory=list)
+    end: int | None = None  # once found: the tokens up to and including the one that completes END
+    _searched: int = 0  # ids[:_searched] hold no END
+
+    def count(self, opened: bool) -> int:
+        """The thinking tokens so far; `opened`: whether the output is in (or was in) a thinking block."""
+        if not opened:
+            return 0
+        if self.end is None and self._searched < len(self.ids):
+            self._search()
+        return self.end if self.end is not None else len(self.ids)
+
+    def _search(self) -> None:
+        # An END not in ids[:_searched] starts at one of the last len(END) - 1 of them at the earliest (each
+        # token spells at least one of its characters), so only the tail since then is decoded.
+        first = max(0, self._searched - len(END) + 1)
+        if END in self.decode(self.ids[first:]):
+            low, high = self._searched + 1, len(self.ids)  # the shortest prefix holding END
+            while low < high:
+                middle = (low + high) // 2
+                if END in self.decode(self.ids[first:middle]):
+                    high = middle
+                else:
+                    low = middle + 1
+            self.end = low
+        self._searched = len(self.ids)

@@ -325,8 +325,7 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
         requests = [TritonRequest(model, list(ids), sampling, body.stream, body.return_logprobs, request_id)]
         choices = Choices(chat=True, n=body.n, num_prompts=1, top_logprobs=body.top_logprobs, tools=plan,
                           token_bytes=token_bytes_of(tokenizer) if body.logprobs else None, thinking=thinking,
-                          count_tokens=(lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
-                          if thinking is not None else None)
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
         return model, requests, choices
 
     stored = ResponseStore()

@@ -91,6 +91,7 @@ class TritonOutput:
     token_counts: list[int]  # this response's new tokens, per completion
     logprobs: list[list[float]] | None = None  # each new token's log-prob, per completion
     top_logprobs: list[list[dict]] | None = None  # per completion, per token: {id: {logprob, rank, decoded_token}}
+    ids: list[list[int]] | None = None  # this response's new token ids, per completion (our models send them)
     finish_reasons: list[str] | None = None
     num_input_tokens: int | None = None
     prompt_logprobs: list | None = None
@@ -113,6 +114,11 @@ def parse_output(result) -> TritonOutput:
     else:  # a model that does not return counts: n = 1 assumed
         counts = [0 if ids is None else int(ids.size)]
     out = TritonOutput(texts=texts, token_counts=counts)
+    if ids is not None:
+        flat_ids, start, out.ids = ids.reshape(-1).tolist(), 0, []
+        for count in counts:
+            out.ids.append(flat_ids[start:start + count])
+            start += count
     flat = result.as_numpy("output_log_probs")
     if flat is not None:
         flat, start, out.logprobs = flat.reshape(-1).tolist(), 0, []
