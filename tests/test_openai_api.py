@@ -222,6 +222,13 @@ def test_chat_streams_with_usage_in_the_last_chunk(client, hf_tokenizer):
     assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
     assert 0 < chunks[-1].usage.completion_tokens <= 24
     assert len({c.id for c in chunks}) == 1
+    # vLLM's continuous usage: the usage so far in every chunk, where the last chunk's is asked for too.
+    for include_usage in (True, False):
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": include_usage, "continuous_usage_stats": True}))
+        counts = [c.usage.completion_tokens if c.usage else None for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 8 if include_usage else set(counts) == {None}, counts
 
 
 def test_greedy_outputs_are_the_tokens_of_tritons_generate_endpoint(served, client, hf_tokenizer):

@@ -268,10 +268,12 @@ class _Request(RequestBody):
         return kinds  # more than one kind: the model refuses it, naming them
 
     def wants_usage(self) -> tuple[bool, bool]:
-        """(usage chunk at the end, usage in every chunk), for streams."""
+        """(usage chunk at the end, usage in every chunk), for streams: as vLLM's, the usage in every chunk only
+        where the last chunk's is asked for too."""
         if self.stream_options is None:
             return False, False
-        return self.stream_options.include_usage, self.stream_options.continuous_usage_stats
+        include = bool(self.stream_options.include_usage)
+        return include, include and bool(self.stream_options.continuous_usage_stats)
 
 
 _WARNED: set[str] = set()
