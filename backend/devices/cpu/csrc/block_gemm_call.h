@@ -3,7 +3,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+
+#include "cpu_tensors.h"
 
 #include <cstdint>
 #include <string>
@@ -49,7 +50,7 @@ struct BlockGemmCall {
     }
     x = x_in.reshape({-1, k}).contiguous();
     m = x.size(0);
-    y = at::empty({m, n}, x.options());
+    y = new_tensor({m, n}, x.options());
     codes = codes_t.data_ptr<uint8_t>();
     scales = scales_t.data_ptr<float>();
     out_shape.assign(x_in.sizes().begin(), x_in.sizes().end());

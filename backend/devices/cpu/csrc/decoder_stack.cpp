@@ -16,6 +16,7 @@
 #include <ATen/ops/rsqrt.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/List.h>
 
 #include "ops.h"
 

@@ -28,9 +28,9 @@
 //   Q8_0: codes [K, 32] int8; scales [K / 32, 32] float32, a block's d.
 //   bfloat16: codes [K, 32] bfloat16 (64 bytes a k step); scales [K / 32, 0, 32] (none).
 
-#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_tensors.h"
 #include "ops.h"
 
 #include "block_gemm_call.h"
@@ -111,8 +111,8 @@ std::tuple<at::Tensor, at::Tensor> pack_block_weight(const at::Tensor& q_in, con
   }
   const int64_t elem = q.element_size();  // bytes per value: 1, or 2 for bfloat16
   const int64_t code_bytes = q4 ? kPanel / 2 : kPanel * elem, scale_rows = q4 ? 2 : (has_d ? 1 : 0);
-  at::Tensor codes = at::zeros({panels, k, code_bytes}, q.options().dtype(at::kByte));
-  at::Tensor scales = at::zeros({panels, blocks, scale_rows, kPanel}, q.options().dtype(at::kFloat));
+  at::Tensor codes = new_zeroed_tensor({panels, k, code_bytes}, q.options().dtype(at::kByte));
+  at::Tensor scales = new_zeroed_tensor({panels, blocks, scale_rows, kPanel}, q.options().dtype(at::kFloat));
   const uint8_t* qs = reinterpret_cast<const uint8_t*>(q.data_ptr());
   const float* ds = has_d ? d.data_ptr<float>() : nullptr;
   const float* ms = has_m ? m.data_ptr<float>() : nullptr;

@@ -14,12 +14,11 @@
 // summation order of RMSNorm's mean and FMA contraction differ (-ffast-math), ~1e-7 relative.
 // SiLU's exp argument is clamped so that -ffast-math never meets an infinity.
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_tensors.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -46,7 +45,7 @@ at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Te
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.dim() == 2 && weight.numel() == residual.size(1),
               "add_rms_norm_: residual and x [tokens, hidden], weight [hidden]");
   const int64_t rows = residual.size(0), n = residual.size(1);
-  at::Tensor out = at::empty_like(residual);
+  at::Tensor out = new_tensor(residual.sizes(), residual.options());
   float* rp = residual.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -148,7 +147,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_write_kv: slot out of range");
   }
-  at::Tensor q_out = at::empty({T, num_heads, D}, qkv.options());
+  at::Tensor q_out = new_tensor({T, num_heads, D}, qkv.options());
   if (kv == at::kHalf) {
     rope_write_rows<c10::Half>(qkv, cos, sin, k_cache, v_cache, sp, q_out, num_heads, num_kv_heads);
   } else if (kv == at::kBFloat16) {
@@ -163,7 +162,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_float(gate_up, "silu_mul");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up [tokens, 2 * intermediate]");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({rows, n}, gate_up.options());
+  at::Tensor out = new_tensor({rows, n}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {

@@ -8,9 +8,9 @@
 // float32 only. Ties go to the lowest index, as torch's max/argmax. The exp argument is clamped at
 // -87 (exp(-87) < 1e-37 against a sum of at least 1) so -ffast-math never meets an infinity.
 
-#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_tensors.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -95,8 +95,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& logits_in, bool
   TORCH_CHECK(logits_in.size(1) <= std::numeric_limits<int32_t>::max(), "greedy_head: vocab too large");
   const at::Tensor logits = logits_in.contiguous();
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  at::Tensor ids = at::empty({rows}, logits.options().dtype(at::kLong));
-  at::Tensor logprobs = at::empty({rows}, logits.options());
+  at::Tensor ids = new_tensor({rows}, logits.options().dtype(at::kLong));
+  at::Tensor logprobs = new_tensor({rows}, logits.options());
   const float* lp = logits.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   float* op = logprobs.data_ptr<float>();

@@ -28,10 +28,9 @@
 //   int32: -128 * sum_k q_jk, since x^ is stored as x^ + 128 (the dot products multiply unsigned bytes
 //   of x by signed bytes of W; halved for the offset of 64).
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_tensors.h"
 #include "ops.h"
 
 #include "claimed_chunks.h"
@@ -296,13 +295,13 @@ std::tuple<at::Tensor, at::Tensor> int8_greedy_screen(const at::Tensor& x_in, co
                   negq_in.sizes() == at::IntArrayRef({groups, blocks, kGroup}),
               "int8_greedy_screen: negq int32 [V' / 16, K / 32, 16]");
   const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
-  at::Tensor ids = at::zeros({rows}, x.options().dtype(at::kLong));
-  at::Tensor candidates = at::zeros({rows}, x.options().dtype(at::kLong));
+  at::Tensor ids = new_zeroed_tensor({rows}, x.options().dtype(at::kLong));
+  at::Tensor candidates = new_zeroed_tensor({rows}, x.options().dtype(at::kLong));
 #if TRITONLLM_INT8_SCREEN
   if (rows == 0) return {ids, candidates};
   const Int8Head head{codes_in.data_ptr<int8_t>(), d_in.data_ptr<float>(), negq_in.data_ptr<int32_t>(),
                       c_in.data_ptr<float>(), k, blocks};
-  at::Tensor hi = at::empty({rows, groups * kGroup}, x.options());
+  at::Tensor hi = new_tensor({rows, groups * kGroup}, x.options());
   const auto args = std::make_tuple(x.data_ptr<float>(), rows, head, groups, weight.data_ptr<float>(), vocab,
                                     hi.data_ptr<float>(), ids.data_ptr<int64_t>(), candidates.data_ptr<int64_t>());
 #if TRITONLLM_INT8_SCREEN == 512

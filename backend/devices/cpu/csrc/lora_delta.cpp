@@ -16,6 +16,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <ATen/core/List.h>
+
 #include "ops.h"
 
 #include <algorithm>

@@ -4,11 +4,12 @@
 // Why the split: torch's registration header (<torch/library.h>) and <ATen/ATen.h> take most of a
 // source's compile time, and every source is compiled once per instruction-set variant at install
 // (kernels.py). The kernels need only the Tensor type, the thread pool and a few allocating ops, so
-// they include those alone, and one source pays for the registration.
+// they include those alone, and one source pays for the registration. c10::List is only declared here
+// (ATen_fwd.h): the two kernels that take one include its definition.
 #pragma once
 
+#include <ATen/core/ATen_fwd.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/List.h>
 
 #include <cstdint>
 #include <string>

@@ -27,10 +27,9 @@
 // `packed_gemm_supported()` is false and the engine keeps oneDNN (devices/cpu/packed_linear.py);
 // likewise `packed_gemm_bf16_supported()` without AVX512-BF16, and the engine keeps the float32 kernel.
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_tensors.h"
 #include "ops.h"
 
 #include "claimed_chunks.h"
@@ -72,7 +71,7 @@ at::Tensor pack_gemm_weight(const at::Tensor& weight_in) {
   TORCH_CHECK(weight_in.dim() == 2 && weight_in.scalar_type() == at::kFloat, "pack_gemm_weight: float32 [out, in]");
   const at::Tensor w = weight_in.contiguous();
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({panels, k, kPanel}, w.options());
+  at::Tensor packed = new_zeroed_tensor({panels, k, kPanel}, w.options());
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -92,7 +91,7 @@ at::Tensor pack_gemm_weight_bf16(const at::Tensor& weight_in) {
   TORCH_CHECK(weight_in.dim() == 2 && weight_in.scalar_type() == at::kFloat, "pack_gemm_weight_bf16: float32 [out, in]");
   const at::Tensor w = weight_in.contiguous().to(at::kBFloat16);
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel, pairs = (k + 1) / 2;
-  at::Tensor packed = at::zeros({panels, pairs, kPanel, 2}, w.options());
+  at::Tensor packed = new_zeroed_tensor({panels, pairs, kPanel, 2}, w.options());
   const at::BFloat16* src = w.data_ptr<at::BFloat16>();
   at::BFloat16* dst = packed.data_ptr<at::BFloat16>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -307,7 +306,7 @@ at::Tensor packed_gemm(const at::Tensor& x_in, const at::Tensor& packed, const c
   const float* bias = check_gemm_args("packed_gemm", x_in, packed, k, bias_in, n, bias_c);
   const at::Tensor x = x_in.reshape({-1, k}).contiguous();
   const int64_t m = x.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
+  at::Tensor y = new_tensor({m, n}, x.options());
 #if TRITONLLM_PANEL_GEMM
   run_panels<float>(x.data_ptr<float>(), k, packed.data_ptr<float>(), k, packed.size(0), m, n, bias, y.data_ptr<float>(),
                     kMicrokernels<Float32Panels>);
@@ -366,7 +365,7 @@ at::Tensor packed_gemm_bf16(const at::Tensor& x_in, const at::Tensor& packed, co
   at::Tensor x2 = x_in.reshape({-1, k});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
   const int64_t m = x2.size(0);
-  at::Tensor y = at::empty({m, n}, x2.options());
+  at::Tensor y = new_tensor({m, n}, x2.options());
 #if TRITONLLM_PANEL_GEMM
   const int64_t ld = 2 * pairs;
   const uint16_t* xb = round_rows_to_bf16(x2.data_ptr<float>(), x2.stride(0), m, k, ld);

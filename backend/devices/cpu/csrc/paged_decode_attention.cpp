@@ -38,11 +38,11 @@
 // Built with -ffast-math: nothing here produces an infinity or a NaN (masked keys of a partial block
 // get a finite -1e30 score and are never read from V), which that flag requires.
 
-#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_tensors.h"
 #include "ops.h"
 
 #include "claimed_chunks.h"
@@ -464,7 +464,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK(row_seq.numel() == s.B && row_end.numel() == s.B && row_start.numel() == s.B,
               "paged_decode_attention: row_seq, row_end and row_start: one per query row");
   s.G = s.H / s.KVH;  // query heads per KV head
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = new_tensor(q.sizes(), q.options());
   const int32_t* tp = table.data_ptr<int32_t>();
   for (int64_t i = 0; i < s.S * s.MAXB; ++i) {
     TORCH_CHECK(tp[i] >= -1 && tp[i] < s.NB, "paged_decode_attention: block id out of range");

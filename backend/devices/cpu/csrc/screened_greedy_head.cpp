@@ -14,9 +14,9 @@
 // float32 head's argmax bit for bit. The log-prob needs every logit exactly, so rows that want it
 // keep the float32 head (runner/head.py).
 //
-#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_tensors.h"
 #include "ops.h"
 
 #include "screen_rescore.h"
@@ -61,8 +61,8 @@ std::tuple<at::Tensor, at::Tensor> screened_greedy_head(const at::Tensor& x_in, 
               ", weight ", weight_in.sizes(), ", col_bounds ", bound_in.sizes(), ")");
   const at::Tensor x = x_in.contiguous(), approx = approx_in.contiguous(), weight = weight_in.contiguous(),
                    bound = bound_in.contiguous();
-  at::Tensor ids = at::zeros({rows}, x.options().dtype(at::kLong));
-  at::Tensor candidates = at::zeros({rows}, x.options().dtype(at::kLong));
+  at::Tensor ids = new_zeroed_tensor({rows}, x.options().dtype(at::kLong));
+  at::Tensor candidates = new_zeroed_tensor({rows}, x.options().dtype(at::kLong));
   const float *xp = x.data_ptr<float>(), *ap = approx.data_ptr<float>(), *wp = weight.data_ptr<float>(),
               *bp = bound.data_ptr<float>();
   int64_t *ip = ids.data_ptr<int64_t>(), *cp = candidates.data_ptr<int64_t>();
