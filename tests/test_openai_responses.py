@@ -100,7 +100,7 @@ def test_text_formats_and_logprobs_map_to_the_chat_fields():
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools", "only function tools"),
     ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice", "tool_choice must be"),
     ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "text", "not supported"),
-    ({"input": "hi", "background": True}, "background", "background"),
+    ({"input": "hi", "background": True, "store": False}, "background", "must be stored"),
     ({"input": ""}, "input", "empty"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation", "not supported"),
@@ -394,3 +394,154 @@ def test_the_openai_agents_sdk_runs_a_tool_loop_streams_and_fills_a_structured_o
             "response.completed"} <= set(call_kinds)
     assert isinstance(forecast.final_output, Forecast) and forecast.final_output.city
     assert {"response.output_text.delta", "response.output_text.done", "response.completed"} <= set(forecast_kinds)
+
+
+# ---- background responses ----------------------------------------------------------------------------
+
+def _background(store: ResponseStore, runs, text: str, streamed: bool, pieces: list[str], fail: bool = False):
+    """A background response whose generation writes `pieces` one scheduler turn apart (then fails)."""
+    from tritonllm.openai.protocol import bad_request
+    body = ResponsesRequest.model_validate({"input": text, "background": True, "stream": streamed})
+    body.check()
+    output = ResponseOutput(body, MODEL)
+
+    async def generate(record):
+        for piece in pieces:
+            await asyncio.sleep(0)
+            record(output.add(Delta(0, piece, None, None)))
+        if fail:
+            raise bad_request("the model refused", "input")
+        record(output.finish("stop", None, {"prompt_tokens": 1, "completion_tokens": len(pieces),
+                                            "total_tokens": 1 + len(pieces)}))
+
+    first = runs.start(output, streamed, generate, lambda events: store.put(output, body.input_messages(), None, events))
+    return output, first
+
+
+def test_a_background_response_runs_on_is_followed_from_any_event_and_is_kept_whole():
+    from tritonllm.openai.background_responses import BackgroundResponses
+
+    async def scenario():
+        store = ResponseStore()
+        runs = BackgroundResponses(store)
+        output, first = _background(store, runs, "question", True, ["The", " answer", " is", " 42."])
+        assert first[0]["response"]["status"] == "queued" and first[0]["response"]["background"] is True
+        assert store.get(output.id)["status"] == "in_progress"  # kept from its start
+        with pytest.raises(OpenAIError) as running:  # not continued before it ends
+            store.history(output.id)
+        assert running.value.status == 400 and running.value.param == "previous_response_id"
+        all_events = [e async for e in await runs.follow(output.id, None)]  # follows it to its end
+        later = [e async for e in await runs.follow(output.id, 3)]
+        parsed = _events_are_the_sdks(all_events)
+        assert parsed[-1].type == "response.completed"
+        assert parsed[-1].response.output_text == "The answer is 42."
+        assert later == all_events[4:]
+        assert store.get(output.id)["status"] == "completed"
+        assert store.history(output.id)[-1] == {"role": "assistant", "content": "The answer is 42."}
+        with pytest.raises(OpenAIError) as ended:
+            await runs.cancel(output.id)
+        assert ended.value.status == 400 and "already completed" in ended.value.message
+
+        # Created whole: no events kept; a failure is kept as failed.
+        whole, _ = _background(store, runs, "q", False, ["a"], fail=True)
+        with pytest.raises(OpenAIError) as no_events:
+            await runs.follow(whole.id, None)
+        assert no_events.value.param == "stream"
+        while store.get(whole.id)["status"] == "in_progress":
+            await asyncio.sleep(0)
+        assert store.get(whole.id)["status"] == "failed"
+        assert store.get(whole.id)["error"]["code"] == "invalid_prompt"
+
+        # Cancelled while queued (its task not yet started) and while running; cancelling again gives it back.
+        queued, _ = _background(store, runs, "q", True, ["x"] * 50)
+        assert (await runs.cancel(queued.id))["status"] == "cancelled"
+        running_output, _ = _background(store, runs, "q", True, ["x"] * 50)
+        follower = [e async for e in _take(await runs.follow(running_output.id, None), 5)]
+        cancelled = await runs.cancel(running_output.id)
+        assert cancelled["status"] == "cancelled" and cancelled["output"][0]["status"] == "incomplete"
+        assert (await runs.cancel(running_output.id))["status"] == "cancelled"
+        rest = [e async for e in await runs.follow(running_output.id, follower[-1]["sequence_number"])]
+        assert rest[-1]["type"] == "response.output_item.done"  # the stream just ends after the cancel
+        # A response that was not in the background cannot be cancelled.
+        body = ResponsesRequest.model_validate({"input": "q"})
+        foreground = ResponseOutput(body, MODEL)
+        foreground.finish("stop", None, {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1})
+        store.put(foreground, [])
+        with pytest.raises(OpenAIError) as synchronous:
+            await runs.cancel(foreground.id)
+        assert synchronous.value.message == "Cannot cancel a synchronous response."
+        # Shutting down cancels what still runs.
+        last, _ = _background(store, runs, "q", False, ["x"] * 50)
+        await runs.close()
+        assert store.get(last.id)["status"] == "cancelled"
+
+    asyncio.run(scenario())
+
+
+async def _take(events, count: int):
+    async for event in events:
+        yield event
+        count -= 1
+        if count == 0:
+            return
+
+
+@pytest.mark.server
+def test_the_sdk_runs_a_response_in_the_background_resumes_its_stream_and_cancels_one(client, _session_triton_server):
+    import time
+
+    from grpc_stream import metric, scrape
+
+    def aborted() -> float:
+        return metric(scrape(_session_triton_server.metrics_url), "llm_requests_finished_total", reason="abort")
+
+    question = "What is the capital of France? Answer in one word."
+    whole = client.responses.create(model=MODEL, input=question, max_output_tokens=16, temperature=0)
+    queued = client.responses.create(model=MODEL, input=question, max_output_tokens=16, temperature=0,
+                                     background=True)
+    assert queued.status == "queued" and queued.background
+    deadline = time.monotonic() + 60
+    kept = client.responses.retrieve(queued.id)
+    while kept.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        kept = client.responses.retrieve(queued.id)
+    assert kept.status == whole.status and kept.output_text == whole.output_text
+    assert kept.usage.output_tokens == whole.usage.output_tokens
+
+    # Streamed: the client reads a few events and goes; the stream is taken up again after the last seen.
+    stream = client.responses.create(model=MODEL, input=question, max_output_tokens=16, temperature=0,
+                                     background=True, stream=True)
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if len(seen) == 3:
+            break
+    stream.close()
+    assert seen[0].type == "response.created" and seen[0].response.status == "queued"
+    rest = list(client.responses.retrieve(seen[0].response.id, stream=True, starting_after=seen[-1].sequence_number))
+    assert [e.sequence_number for e in seen + rest] == list(range(len(seen) + len(rest)))
+    assert rest[-1].type == f"response.{whole.status}" and rest[-1].response.output_text == whole.output_text
+    replayed = list(client.responses.retrieve(seen[0].response.id, stream=True))
+    assert [e.sequence_number for e in replayed] == [e.sequence_number for e in seen + rest]
+
+    # A long answer is cancelled while it runs; what it wrote stays.
+    long = client.responses.create(model=MODEL, input="Count from 1 to 1000, one number a line.",
+                                   max_output_tokens=1500, temperature=0, background=True,
+                                   extra_body={"ignore_eos": True})
+    aborted_before = aborted()
+    time.sleep(0.5)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    while aborted() == aborted_before:  # the engine aborts its Triton request
+        assert time.monotonic() < deadline + 60, "the cancelled response's request was never aborted"
+        time.sleep(0.1)
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError) as synchronous:
+        client.responses.cancel(whole.id)
+    assert "synchronous" in synchronous.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as not_streamed:
+        list(client.responses.retrieve(queued.id, stream=True))
+    assert not_streamed.value.body["param"] == "stream"
+    with pytest.raises(openai.BadRequestError) as unstored:
+        client.responses.create(model=MODEL, input=question, background=True, store=False)
+    assert unstored.value.body["param"] == "background"

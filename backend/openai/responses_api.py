@@ -9,7 +9,8 @@ items (a `message` with `output_text`, a `function_call` per call) and, streamin
 
 Responses are kept (`store`, true by default as OpenAI's) in a bounded store in this process, so that
 `previous_response_id` continues a conversation and `GET /v1/responses/{id}` finds one; a restart of
-this server forgets them.
+this server forgets them. A background response (`background: true`) is kept from its start, with its
+events when it was created streaming (background_responses.py runs it).
 """
 
 from __future__ import annotations
@@ -74,9 +75,8 @@ class ResponsesRequest(RequestBody):
                            ("prompt", "stored prompt templates (send the instructions and input)")):
             if (self.model_extra or {}).get(name) is not None:
                 raise bad_request(f"{name} is not supported: this server keeps no {what}", name)
-        if self.background:
-            raise bad_request("background responses are not supported: ask with stream true, or wait for the "
-                              "answer", "background")
+        if self.background and not self.store:  # OpenAI's rule: its answer is only ever fetched from the store
+            raise bad_request("background responses must be stored: leave store out, or set it true", "background")
         if self.truncation not in (None, "disabled", "auto"):
             raise bad_request(f"truncation must be 'auto' or 'disabled', got {self.truncation!r}", "truncation")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
@@ -278,8 +278,8 @@ class ResponseOutput:
     def __init__(self, body: ResponsesRequest, model: str):
         self.body = body
         self.response: dict[str, Any] = {
-            "id": _id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
-            "background": False, "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "id": _id("resp"), "object": "response", "created_at": int(time.time()),
+            "status": "queued" if body.background else "in_progress", "background": bool(body.background), "error": None, "incomplete_details": None, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "max_tool_calls": body.max_tool_calls, "model": model, "output": [],
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
@@ -307,8 +307,9 @@ class ResponseOutput:
         return json.loads(json.dumps(self.response))  # the response as it is now, not as it will be
 
     def start(self) -> list[dict]:
-        return [self._event("response.created", response=self._snapshot()),
-                self._event("response.in_progress", response=self._snapshot())]
+        created = self._event("response.created", response=self._snapshot())  # a background one: queued
+        self.response["status"] = "in_progress"
+        return [created, self._event("response.in_progress", response=self._snapshot())]
 
     def add(self, delta: Delta) -> list[dict]:
         events: list[dict] = []
@@ -429,6 +430,13 @@ class ResponseOutput:
         kind = "response.incomplete" if cut else "response.completed"
         return events + [self._event(kind, response=self._snapshot())]
 
+    def cancelled(self) -> list[dict]:
+        """A background response stopped by `POST /v1/responses/{id}/cancel`: what it had written stays, its
+        open item incomplete. OpenAI streams no event of its own for a cancel: the stream just ends."""
+        events = self._close("incomplete")
+        self.response["status"] = "cancelled"
+        return events
+
     def failed(self, error: OpenAIError) -> list[dict]:
         """A stream's end after its headers went: OpenAI's `error` event, then `response.failed`."""
         self.response["status"] = "failed"
@@ -467,15 +475,23 @@ def _last_tokens(tokens: list[dict], length: int) -> list[dict]:
 
 # ---- kept responses -------------------------------------------------------------------------------
 
+@dataclass
+class _Kept:
+    response: dict
+    conversation: list[dict]  # the messages through it
+    items: list[dict]  # its request's input items
+    events: list[dict] | None  # a background response created streaming: its events, for GET ?stream=true
+    size: int
+
+
 class ResponseStore:
     """The last MAX_STORED responses (fewer where they hold more than MAX_STORED_BYTES), each with the
     conversation that led to it (its instructions left out: OpenAI does not carry them to the next
-    response)."""
+    response). A background response is put when it starts and again when it ends."""
 
     def __init__(self, capacity: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
         self.capacity, self.max_bytes = capacity, max_bytes
-        # id -> (the response, the conversation through it, its input items, their size)
-        self._kept: OrderedDict[str, tuple[dict, list[dict], list[dict], int]] = OrderedDict()
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()
         self._bytes = 0
 
     def history(self, response_id: str) -> list[dict]:
@@ -484,18 +500,35 @@ class ResponseStore:
                               "(store false), or this server no longer keeps it (it keeps the last "
                               f"{self.capacity}, and forgets them when it restarts)", "previous_response_not_found",
                               "previous_response_id")
-        return [dict(m) for m in self._kept[response_id][1]]
+        kept = self._kept[response_id]
+        if kept.response["status"] in ("queued", "in_progress"):
+            raise bad_request(f"Previous response with id '{response_id}' is still {kept.response['status']}: "
+                              "continue it once it has ended", "previous_response_id")
+        return [dict(m) for m in kept.conversation]
 
-    def put(self, output: ResponseOutput, conversation: list[dict], items: list[dict] | None = None) -> None:
-        """Keep `output`'s response, with `conversation` (the messages it answered, instructions left out)
-        and its request's input `items` (ResponsesRequest.input_items)."""
+    def put(self, output: ResponseOutput, conversation: list[dict], items: list[dict] | None = None,
+            events: list[dict] | None = None) -> None:
+        """Keep `output`'s response, with `conversation` (the messages it answered, instructions left out),
+        its request's input `items` (ResponsesRequest.input_items) and, for a streamed background response,
+        its `events`. Putting a kept response again replaces it in place."""
         whole = conversation + output.as_messages()
         items = items or []
-        size = len(json.dumps(output.response)) + len(json.dumps(whole)) + len(json.dumps(items))
-        self._kept[output.id] = (output.response, whole, items, size)
+        size = sum(len(json.dumps(part)) for part in (output.response, whole, items, events or []))
+        if output.id in self._kept:
+            self._bytes -= self._kept[output.id].size
+        self._kept[output.id] = _Kept(output.response, whole, items, events, size)
         self._bytes += size
         while len(self._kept) > self.capacity or (self._bytes > self.max_bytes and len(self._kept) > 1):
-            self._bytes -= self._kept.popitem(last=False)[1][3]
+            self._bytes -= self._kept.popitem(last=False)[1].size
+
+    def events(self, response_id: str) -> list[dict]:
+        """The events of a background response created streaming, as far as it has come."""
+        self.get(response_id)
+        events = self._kept[response_id].events
+        if events is None:
+            raise bad_request(f"Response {response_id} cannot be streamed: only a background response created "
+                              "with stream true keeps its events", "stream")
+        return events
 
     def input_items(self, response_id: str, after: str | None = None, limit: int = 20, order: str = "desc") -> dict:
         """OpenAI's list of a response's input items, a page at a time (newest first unless order=asc)."""
@@ -504,7 +537,7 @@ class ResponseStore:
             raise bad_request(f"limit must be in [1, 100], got {limit}", "limit")
         if order not in ("asc", "desc"):
             raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", "order")
-        items = self._kept[response_id][2]
+        items = self._kept[response_id].items
         items = items if order == "asc" else items[::-1]
         if after is not None:
             ids = [item["id"] for item in items]
@@ -518,9 +551,9 @@ class ResponseStore:
     def get(self, response_id: str) -> dict:
         if response_id not in self._kept:
             raise OpenAIError(404, f"Response with id '{response_id}' not found", "not_found", "response_id")
-        return self._kept[response_id][0]
+        return self._kept[response_id].response
 
     def delete(self, response_id: str) -> dict:
         self.get(response_id)
-        self._bytes -= self._kept.pop(response_id)[3]
+        self._bytes -= self._kept.pop(response_id).size
         return {"id": response_id, "object": "response", "deleted": True}

@@ -33,6 +33,7 @@ from tritonllm.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                       parse_body, warn_ignored)
 from tritonllm.openai.reasoning import PARSERS, answer_starts_thinking
 from tritonllm.openai.choices import Choices
+from tritonllm.openai.background_responses import BackgroundResponses
 from tritonllm.openai.responses_api import ResponseOutput, ResponsesRequest, ResponseStore
 from tritonllm.openai.token_bytes import token_bytes_of
 from tritonllm.openai.tool_parsers import FORMATS
@@ -197,6 +198,7 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
         yield
         warm.cancel()
         await asyncio.gather(warm, return_exceptions=True)
+        await background.close()
         await backend.close()
 
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
@@ -329,6 +331,7 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
         return model, requests, choices
 
     stored = ResponseStore()
+    background = BackgroundResponses(stored)
 
     @app.post("/v1/responses")
     async def create_response(raw: Request):
@@ -346,12 +349,24 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
         model, requests, choices = await prepare_chat(chat, output.id)
         output.response["model"] = model.name
         items = body.input_items() if body.store else None
+        if body.background:
+            first = background.start(output, body.stream, _background_generation(backend, requests, choices, output),
+                                     lambda events: stored.put(output, conversation, items, events))
+            if not body.stream:
+                return first[0]["response"]  # queued
+            return _sse_response(await background.follow(output.id, None))
         return await _answer_response(backend, raw, body, requests, choices, output,
                                       lambda: stored.put(output, conversation, items) if body.store else None)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
+    async def get_response(response_id: str, stream: bool = False, starting_after: int | None = None):
+        if stream:
+            return _sse_response(await background.follow(response_id, starting_after))
         return stored.get(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await background.cancel(response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, after: str | None = None, limit: int = 20, order: str = "desc"):
@@ -359,6 +374,8 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
+        if stored.get(response_id)["status"] in ("queued", "in_progress"):
+            await background.cancel(response_id)  # nothing runs on for a response nobody can fetch
         return stored.delete(response_id)
 
     from tritonllm.openai.embeddings import register_embeddings  # /v1/embeddings (embeddings.py)
@@ -414,6 +431,29 @@ async def _answer_response(backend: TritonBackend, raw: Request, body: Responses
                 yield _sse_event(event)
 
     return await _run(raw, jobs, body.stream, whole, events)
+
+
+def _background_generation(backend: TritonBackend, requests: list[TritonRequest], choices: Choices,
+                           output: ResponseOutput):
+    """A background response's generation (background_responses.py): no client watches it."""
+    async def generate(record) -> None:
+        jobs = _Jobs(backend, requests)
+        try:
+            async for k, out in jobs.outputs():
+                for delta in choices.add(k, out):
+                    record(output.add(delta))
+            record(output.finish(choices.choices[0].finish_reason, choices.tool_calls(0), choices.usage()))
+        finally:
+            await jobs.close()
+    return generate
+
+
+def _sse_response(events) -> StreamingResponse:
+    """Responses API events as they come; a client that goes away stops only its own reading."""
+    async def text():
+        async for event in events:
+            yield _sse_event(event)
+    return StreamingResponse(text(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def _answer(backend: TritonBackend, raw: Request, body, model: str, request_id: str,
