@@ -290,6 +290,31 @@ def test_multi_turn_chat_renders_the_whole_conversation(served, client, hf_token
     assert result.error is None and chat.choices[0].message.content == result.text
 
 
+def test_the_token_a_stop_string_cuts_reads_whole_in_log_probs(client):
+    """As vLLM's: the token completing a stop string is named whole in log-probs, though the text ends
+    before the stop string (completions' tokens, top_logprobs and chat's token alike)."""
+    prompt = "The capital of France is"
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
+    tokens = whole.choices[0].logprobs.tokens
+    k = next(i for i, t in enumerate(tokens) if len(t.strip()) >= 4)
+    stop = tokens[k][2:]
+    assert whole.choices[0].text.find(stop) == len("".join(tokens[:k])) + 2
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0, stop=[stop])
+    assert cut.choices[0].text == "".join(tokens[:k]) + tokens[k][:2] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].logprobs.tokens == tokens[:k + 1]
+    assert [list(top) for top in cut.choices[0].logprobs.top_logprobs] == [[t] for t in tokens[:k + 1]]
+
+    messages = [{"role": "user", "content": QUESTION}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, logprobs=True)
+    tokens = [t.token for t in answer.choices[0].logprobs.content]
+    k = next(i for i, t in enumerate(tokens) if len(t.strip()) >= 4 and answer.choices[0].message.content.find(
+        t[2:]) == len("".join(tokens[:i])) + 2)
+    cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, logprobs=True,
+                                         stop=[tokens[k][2:]])
+    assert cut.choices[0].message.content == "".join(tokens[:k]) + tokens[k][:2]
+    assert [t.token for t in cut.choices[0].logprobs.content] == tokens[:k + 1]
+
+
 # ---- completions and the sampling fields -----------------------------------------------------------
 
 def test_completions_fields_reach_the_model(client, hf_tokenizer):

@@ -58,6 +58,34 @@ def test_zero_top_logprobs_give_the_chosen_token_only(engine, tokenizer):
     assert [[(t, r) for t, _, r in entries] for entries in out.top_logprobs] == [[(t, 1)] for t in out.token_ids]
 
 
+def _streamed(engine, prompt: str, **sampling) -> tuple[list[str], str]:
+    """The chosen tokens' texts (decoded_token) and the output's text, as the engine streams them."""
+    outs = list(engine.stream(prompt, SamplingParams(top_logprobs=0, **sampling)))
+    return [t for out in outs for t in out.new_token_texts], "".join(out.new_text for out in outs)
+
+
+def test_the_token_a_stop_ends_the_output_with_reads_whole(engine):
+    """A stop string or stop token cuts text out of the output, yet the token that ended it reads whole
+    (vLLM's decoded_token); the tokens before it spell the text before it."""
+    prompt = "The capital of France is"
+    whole, text = _streamed(engine, prompt, max_tokens=8, ignore_eos=True)
+    assert "".join(whole) == text
+    [ref] = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    k = next(i for i, t in enumerate(whole) if len(t.strip()) >= 4)  # a word that a stop string can cut inside
+    before = "".join(whole[:k])
+    assert text.find(whole[k][2:]) == len(before) + 2  # the stop string below first appears there
+    cases = [  # (sampling, the output's text)
+        (dict(stop=[whole[k][2:]]), before + whole[k][:2]),
+        (dict(stop=[whole[k][1:-1]], include_stop_str_in_output=True), before + whole[k][:-1]),
+        (dict(stop_token_ids=[ref.token_ids[k]]), before),
+        (dict(stop_token_ids=[ref.token_ids[k]], include_stop_str_in_output=True), before + whole[k]),
+    ]
+    assert ref.token_ids[k] not in ref.token_ids[:k]
+    for sampling, expected in cases:
+        tokens, cut = _streamed(engine, prompt, max_tokens=8, ignore_eos=True, **sampling)
+        assert cut == expected and tokens == whole[:k + 1], sampling
+
+
 def test_top_logprobs_see_the_penalties_as_the_choice_does(engine, tokenizer):
     ids = tokenizer.encode(PLAIN_PROMPTS[0])
     [out] = engine.generate(prompt_token_ids=[ids], params=SamplingParams(

@@ -108,6 +108,7 @@ BAD_REQUESTS = {
     "unknown parameter": (dict(text="hi", sampling={"max_tokenz": 3}), "max_tokenz"),
     "prompt over max_model_len": (dict(text=LONG_TEXT * 4), "max_model_len"),
     "input_ids out of range": (dict(input_ids=[1, 2, 10**8]), "input_ids"),
+    "input_ids with apply_chat_template": (dict(input_ids=[1, 2, 3], chat=True), "apply_chat_template"),
     "temperature out of range": (dict(text="hi", sampling={"temperature": -1}), "temperature"),
 }
 
@@ -162,6 +163,24 @@ def test_http_generate_takes_logit_bias_as_json_text(triton_server, model_dir):
     banned = json.loads(_post(f"{base}/generate", {**body, "logit_bias": json.dumps({paris[0]: -100})}))
     assert " Paris" in json.loads(_post(f"{base}/generate", body))["text_output"]
     assert " Paris" not in banned["text_output"]
+
+
+def test_http_generate_stop_token_ids_as_json_text_with_and_without_its_text(triton_server, model_dir):
+    from transformers import AutoTokenizer
+
+    [period] = AutoTokenizer.from_pretrained(model_dir).encode(".")
+    base = f"http://{triton_server.http_url}/v2/models/smollm2"
+    body = {"text_input": "What is the capital of France?", "apply_chat_template": True,
+            "exclude_input_in_output": True, "max_tokens": 24, "stop_token_ids": json.dumps([period]),
+            "return_logprobs": True, "logprobs": 0}
+    cut = json.loads(_post(f"{base}/generate", body))
+    kept = json.loads(_post(f"{base}/generate", {**body, "include_stop_str_in_output": True}))
+    assert cut["output_ids"][-1] == period and kept["output_ids"] == cut["output_ids"]
+    assert kept["text_output"] == cut["text_output"] + "." and not cut["text_output"].endswith(".")
+    # The stop token's log-probs name it by its text either way, as vLLM's do.
+    for answer in (cut, kept):
+        [last] = json.loads(answer["logprobs"])[-1].values()
+        assert last["decoded_token"] == "."
 
 
 def test_metrics_move_as_requests_flow(triton_server, stream):

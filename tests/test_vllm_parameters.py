@@ -107,6 +107,16 @@ def test_json_nested_deeper_than_python_reads_is_a_request_error_not_an_internal
     assert as_text.params.stop == [deep]
 
 
+def test_list_sampling_parameters_come_as_their_json_text_in_request_parameters():
+    # Request parameters are scalars (HTTP generate turns body fields into them): lists come as JSON text.
+    text = {"stop_token_ids": "[30, 31]", "bad_words": '["Paris"]', "allowed_token_ids": "[5, 6]"}
+    parsed = parse_request({"text_input": np.array([b"hi"], dtype=np.object_)}, json.dumps(text))
+    assert parsed.params.stop_token_ids == [30, 31] and parsed.params.bad_words == ["Paris"]
+    assert parsed.params.allowed_token_ids == [5, 6]
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):  # text that is no list stays refused
+        parse_request({"text_input": np.array([b"hi"], dtype=np.object_)}, json.dumps({"stop_token_ids": "30"}))
+
+
 def test_alternatives_a_guide_ruled_out_have_vllms_finite_stand_in_so_the_json_is_json():
     parsed = parse_request({"text_input": np.array([b"hi"], dtype=np.object_), "return_logprobs": np.array([True]),
                             "sampling_parameters": np.array([b'{"logprobs": 2}'], dtype=np.object_)}, None)

@@ -24,8 +24,9 @@ class RequestOutput:
     # Per new token, when the request asked (top_logprobs): (token id, log-prob, rank) of the chosen
     # token, then of the rest of the N most likely tokens (sampler.token_first_entries).
     new_top_logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
-    # With top log-probs (and detokenize): per new token, the text it added to the output, so that
-    # they spell the output's text ("" for an ending EOS or a skipped special token).
+    # With top log-probs (and detokenize): per new token, the text it decoded to in the output, so that
+    # they spell the output's text ("" for an ending EOS or a skipped special token), save that the token
+    # ending it by a stop string or stop token keeps its whole text where the stop is cut from the output.
     new_token_texts: list[str] = field(default_factory=list)
     index: int = 0  # which of the request's n completions (request_id is then "<request>/<index>")
     # With prompt_logprobs, in the request's first output (completion 0): per prompt token, None for the

@@ -62,10 +62,9 @@ class _StreamState:
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     prompt_logprobs_sent: bool = False
-    # With top log-probs: the text each output token added to `text` ("" for an ending EOS, and up to
-    # the stop string for the token that completed one), so the chosen tokens' decoded_token spell the
-    # text_output.
+    # With top log-probs: the text each output token decoded to (RequestOutput.new_token_texts).
     token_texts: list[str] | None = None
+    token_text: str = ""  # the text the token being applied decoded to, before a stop condition cut it
     num_placeholders: int = 0  # PLACEHOLDERs at the end of its token_ids: tokens of steps in flight
 
 
@@ -503,10 +502,10 @@ class Engine:
         self._drop_placeholders(seq, state)
         reason = None
         for token_id, logprob, top in zip(token_ids, logprobs, tops):
-            text_before = len(state.text)
+            state.token_text = ""
             reason = self._append_token(seq, state, token_id, logprob, top)
-            if state.token_texts is not None:  # "" where a stop string cut the text back before it
-                state.token_texts.append(state.text[text_before:])
+            if state.token_texts is not None:
+                state.token_texts.append(state.token_text)
             if reason is not None:
                 break
         p = seq.params
@@ -533,13 +532,17 @@ class Engine:
         p = seq.params
         if (token_id in self.eos_token_ids and not p.ignore_eos) or token_id in p.stop_token_ids:
             if seq.num_output_tokens > p.min_tokens or not p.min_tokens:
-                if p.include_stop_str_in_output and p.detokenize:  # vLLM's: the stop token's text too
-                    state.text += state.detok.add(token_id)
+                # Decoded where the text keeps it (vLLM's include_stop_str_in_output) or its log-probs name it.
+                if p.detokenize and (p.include_stop_str_in_output or state.token_texts is not None):
+                    state.token_text = state.detok.add(token_id)
+                    if p.include_stop_str_in_output:
+                        state.text += state.token_text
                 return FinishReason.STOP
         if seq.guided is not None and token_id in self.eos_token_ids:
             return FinishReason.STOP  # a guided choice ended, ignore_eos or not
         if p.detokenize:
-            state.text += state.detok.add(token_id)
+            state.token_text = state.detok.add(token_id)
+            state.text += state.token_text
             if p.stop and seq.num_output_tokens >= p.min_tokens:
                 reason = self._check_stop_strings(state, p.stop, p.include_stop_str_in_output)
                 if reason is not None:

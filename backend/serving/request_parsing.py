@@ -24,7 +24,8 @@ _FLAGS = GENERATE_FLAGS
 # Nor is the one asking for errors' kinds in their messages (error_kinds.py).
 _NON_SAMPLING_PARAMETERS = {spec.name for spec in GENERATE_INPUTS} | {KIND_PARAMETER}
 # Request parameters are scalars: these come as their JSON text, a list or an object.
-_JSON_TEXT_PARAMETERS = {"stop": "[", "logit_bias": "{", "guided_decoding": "{", "structured_outputs": "{"}
+_JSON_TEXT_PARAMETERS = {"stop": "[", "stop_token_ids": "[", "bad_words": "[", "allowed_token_ids": "[",
+                         "logit_bias": "{", "guided_decoding": "{", "structured_outputs": "{"}
 
 
 @dataclass

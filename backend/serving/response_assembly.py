@@ -6,7 +6,8 @@ The tensors are those of Triton's vLLM backend, with one element per completion 
 completion) and `logprobs` (JSON, per completion); `num_input_tokens` once. As that backend's,
 `finish_reason` comes in every response of a stream ("None" until the completion ends), `logprobs`
 is JSON `null` when the sampling parameter `logprobs` was not given, and the chosen token's
-`decoded_token` is the text it added to `text_output`. Ours besides:
+`decoded_token` is the text it decoded to in `text_output` (whole where a stop condition then cut
+it). Ours besides:
 `prompt_logprobs` (JSON, once, in the first response after the prompt is computed, when the
 sampling parameter `prompt_logprobs` asks);
 `output_ids` and `output_log_probs` hold the completions' tokens one after another in index
@@ -39,7 +40,7 @@ class _Completion:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
-    token_texts: list[str] = field(default_factory=list)  # per token with top_logprobs: the text it added
+    token_texts: list[str] = field(default_factory=list)  # per token with top_logprobs: the text it decoded to
     cumulative_logprob: float = 0.0  # of every token so far
     finished: bool = False
     finish_reason: str | None = None
@@ -158,9 +159,11 @@ class ResponseAssembler:
 
     def _logprobs_json(self, top_logprobs: list, token_texts: list[str]) -> bytes:
         """The vLLM backend's `logprobs`: per token {token id: {logprob, rank, decoded_token}}. The chosen
-        token (the first key) reads as the text it added, so that a response's chosen tokens spell its
-        text_output: "" for an ending EOS, which the text leaves out, where decoding it alone gives
-        `<|im_end|>`; the other tokens read as they decode alone."""
+        token (the first key) reads as the text it decoded to in the output, so that a response's chosen
+        tokens spell its text_output: "" for an ending EOS whose special text is skipped, where decoding it
+        alone gives `<|im_end|>`. A token that ended the output by a stop string or a stop token reads
+        whole, as vLLM reports it, though the stop is cut from the text. The other tokens read as they
+        decode alone."""
         tokens = []
         for i, entries in enumerate(top_logprobs):
             decoded = self._token_entries(entries)
