@@ -117,6 +117,34 @@ def test_list_sampling_parameters_come_as_their_json_text_in_request_parameters(
         parse_request({"text_input": np.array([b"hi"], dtype=np.object_)}, json.dumps({"stop_token_ids": "30"}))
 
 
+def test_sampling_parameters_as_vllms_sampling_params_reads_them():
+    def parsed(sampling: dict, request_parameters: dict | None = None):
+        inputs = {"text_input": np.array([b"hi"], dtype=np.object_), "return_logprobs": np.array([True]),
+                  "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=np.object_)}
+        return parse_request(inputs, json.dumps(request_parameters) if request_parameters else None).params
+
+    # Whole-number floats for integers (the vLLM backend's int(value)); a fraction stays refused.
+    assert (parsed({"max_tokens": 4.0, "top_k": 1.0}).max_tokens, parsed({"top_k": 1.0}).top_k) == (4, 1)
+    with pytest.raises(InvalidRequestError, match="max_tokens must be an integer, got 4.5"):
+        parsed({"max_tokens": 4.5})
+    # logprobs true is one top log-prob (vLLM's SamplingParams), and so is prompt_logprobs true.
+    assert parsed({"logprobs": True}).top_logprobs == 1 and parsed({"prompt_logprobs": True}).prompt_logprobs == 1
+    # vLLM's extra_args (for custom samplers) is accepted; this server's own field names are not JSON names.
+    assert parsed({"extra_args": {"plugin": 1}}).extra_args == {"plugin": 1}
+    with pytest.raises(InvalidRequestError, match=r"unknown sampling parameter\(s\) \['top_logprobs'\]"):
+        parsed({"top_logprobs": 2})
+    # repetition_penalty: any finite number above 0, as vLLM.
+    assert parsed({"repetition_penalty": 150}).repetition_penalty == 150.0
+    with pytest.raises(InvalidRequestError, match="repetition_penalty must be a finite number above 0"):
+        parsed({"repetition_penalty": 0})
+    # Beside the tensor, a request parameter that is no sampling parameter is left alone (the vLLM backend
+    # reads none then); a sampling parameter there still counts, the tensor's values first.
+    both = parsed({"max_tokens": 3}, {"client_tag": "abc", "max_tokens": 9, "seed": 5})
+    assert (both.max_tokens, both.seed) == (3, 5)
+    with pytest.raises(InvalidRequestError, match="client_tag"):  # without the tensor it is a sampling parameter
+        parse_request({"text_input": np.array([b"hi"], dtype=np.object_)}, json.dumps({"client_tag": "abc"}))
+
+
 def test_alternatives_a_guide_ruled_out_have_vllms_finite_stand_in_so_the_json_is_json():
     parsed = parse_request({"text_input": np.array([b"hi"], dtype=np.object_), "return_logprobs": np.array([True]),
                             "sampling_parameters": np.array([b'{"logprobs": 2}'], dtype=np.object_)}, None)

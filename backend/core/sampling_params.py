@@ -9,6 +9,10 @@ from tritonllm.core.errors import InvalidRequestError  # re-exported: callers im
 from tritonllm.core.guided_request import parse_guided_request
 
 
+# The parameters that are integers: a whole-number float given for one (4.0) is taken as that integer,
+# as vLLM's backend takes it (int(value)); a fraction is refused rather than cut.
+INT_PARAMETERS = ("max_tokens", "min_tokens", "top_k", "seed", "priority", "logprobs", "prompt_logprobs", "n",
+                  "best_of", "truncate_prompt_tokens", "stream_interval")
 # The parameters that are numbers with a fraction: an integer given for one is taken as a float.
 FLOAT_PARAMETERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 # The parameters that are booleans (`logprobs` aside: as vLLM's JSON parameter it is a count).
@@ -75,6 +79,9 @@ class SamplingParams:
     # The LoRA adapter that serves this request (vLLM's `lora_name`: a name in the model's multi_lora.json,
     # checked by the engine). None: the base model.
     lora_name: str | None = None
+    # vLLM's free-form arguments for custom sampling plugins: accepted (a JSON object) and unused, as
+    # vLLM's own samplers leave them.
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,11 +136,13 @@ class SamplingParams:
         ):
             raise InvalidRequestError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         for name, lo, hi in (("temperature", 0.0, 100.0), ("top_p", 1e-6, 1.0), ("min_p", 0.0, 1.0),
-                             ("repetition_penalty", 1e-6, 100.0),
                              ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
                 raise InvalidRequestError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
+        r = self.repetition_penalty  # vLLM's range: any finite number above 0
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
+            raise InvalidRequestError(f"repetition_penalty must be a finite number above 0, got {r!r}")
         if not isinstance(self.logit_bias, dict) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0
             and isinstance(v, (int, float)) and not isinstance(v, bool) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
@@ -157,6 +166,8 @@ class SamplingParams:
             self.seed = None
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
             raise InvalidRequestError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise InvalidRequestError(f"extra_args must be a JSON object, got {self.extra_args!r}")
 
     @property
     def greedy(self) -> bool:
@@ -170,11 +181,16 @@ class SamplingParams:
                 or self.guided_decoding is not None)
 
     @classmethod
+    def json_names(cls) -> frozenset[str]:
+        """The keys of vLLM's JSON sampling parameters this server reads (`from_dict`)."""
+        return frozenset(f.name for f in fields(cls)) - _NOT_JSON | {"structured_outputs"}
+
+    @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":
         """Build from a JSON-like dict; unknown keys are an error that names them."""
         if not isinstance(values, dict):
             raise InvalidRequestError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
-        known = {f.name for f in fields(cls)}
+        known = cls.json_names()
         # None stands for "the default", as vLLM reads it (clients send every key); for max_tokens that
         # is no limit but max_model_len.
         unlimited = "max_tokens" in values and values["max_tokens"] is None
@@ -191,7 +207,13 @@ class SamplingParams:
         for name in FLOAT_PARAMETERS:
             if isinstance(values.get(name), int) and not isinstance(values.get(name), bool):
                 values[name] = float(values[name])
-        if isinstance(values.get("logprobs"), int) and not isinstance(values.get("logprobs"), bool):
+        for name in INT_PARAMETERS:
+            if isinstance(values.get(name), float) and values[name].is_integer():
+                values[name] = int(values[name])
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's: true is 1 (and false 0)
+            if isinstance(values.get(name), bool):
+                values[name] = int(values[name])
+        if "logprobs" in values:
             values["top_logprobs"] = values.pop("logprobs")  # vLLM's `logprobs`: how many top log-probs
         if isinstance(values.get("logit_bias"), dict):  # JSON object keys are strings: "1234" -> 1234
             values["logit_bias"] = {_token_id(t): v for t, v in values["logit_bias"].items()}
@@ -199,6 +221,10 @@ class SamplingParams:
             return cls(**values)
         except TypeError as exc:  # pragma: no cover - defensive
             raise InvalidRequestError(str(exc)) from None
+
+
+# Fields set by the server, not by a request's JSON: `logprobs` there is vLLM's count, top_logprobs here.
+_NOT_JSON = frozenset({"top_logprobs"})
 
 
 def _token_id(key) -> int:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tritonllm.core.sampling_params import BOOL_PARAMETERS, FLOAT_PARAMETERS, InvalidRequestError, SamplingParams
+from tritonllm.core.sampling_params import (BOOL_PARAMETERS, FLOAT_PARAMETERS, INT_PARAMETERS, InvalidRequestError,
+                                            SamplingParams)
 from tritonllm.core.error_kinds import KIND_PARAMETER
 from tritonllm.serving.model_io import GENERATE_FLAGS, GENERATE_INPUTS
 
@@ -109,10 +110,12 @@ def parse_request(inputs: dict[str, np.ndarray], parameters_json: str | None,
                 raise InvalidRequestError("sampling_parameters is nested too deeply to read") from None
             if not isinstance(from_json, dict):
                 raise InvalidRequestError("sampling_parameters must be a JSON object")
-            sampling.update(from_json)
+            # Beside the tensor, the vLLM backend reads no request parameter: one that is not a sampling
+            # parameter (a client's own tag) is left alone rather than refused.
+            known = SamplingParams.json_names()
+            sampling = {k: v for k, v in sampling.items() if k in known} | from_json
     # vLLM-backend clients send numbers as strings sometimes ("max_tokens": "32").
-    for key in ("max_tokens", "min_tokens", "top_k", "seed", "priority", "logprobs", "prompt_logprobs", "n", "best_of",
-                "truncate_prompt_tokens", "stream_interval"):
+    for key in INT_PARAMETERS:
         if isinstance(sampling.get(key), str) and sampling[key].lstrip("-").isdigit():
             sampling[key] = int(sampling[key])
     for key in BOOL_PARAMETERS:  # and booleans as "true" / "false"
