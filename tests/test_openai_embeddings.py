@@ -95,6 +95,9 @@ def test_models_lists_the_embedding_model(client):
     with pytest.raises(openai.NotFoundError) as missing:  # the answer names every kind of model served
         client.models.retrieve("no-such-model")
     assert "the embedding models are ['minilm']" in missing.value.body["message"], missing.value.body
+    with pytest.raises(openai.NotFoundError) as not_generating:  # an embedding model asked to chat: where it serves
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert "/v1/embeddings" in not_generating.value.body["message"], not_generating.value.body
 
 
 @pytest.mark.parametrize("body, status, param, words", [

@@ -67,10 +67,14 @@ def test_only_the_first_of_n_completions_carries_them(engine, tokenizer):
     assert len(outs[0].prompt_logprobs) == len(ids) and [o.prompt_logprobs for o in outs[1:]] == [None, None]
 
 
-@pytest.mark.parametrize("value", [21, -1, 1.5, "all", True])
+@pytest.mark.parametrize("value", [21, -1, 1.5, "all"])
 def test_a_bad_prompt_logprobs_count_is_refused(value):
     with pytest.raises(InvalidRequestError, match="prompt_logprobs must be an integer in"):
         SamplingParams.from_dict({"prompt_logprobs": value})
+
+
+def test_prompt_logprobs_true_is_one_as_vllm_reads_it():
+    assert SamplingParams.from_dict({"prompt_logprobs": True}).prompt_logprobs == 1
 
 
 @pytest.mark.server

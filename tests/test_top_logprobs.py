@@ -101,7 +101,7 @@ def test_a_bad_logprobs_count_is_refused(value):
 
 def test_the_vllm_logprobs_count_maps_to_top_logprobs():
     assert SamplingParams.from_dict({"logprobs": 4}).top_logprobs == 4
-    assert SamplingParams.from_dict({"logprobs": True}).top_logprobs is None
+    assert SamplingParams.from_dict({"logprobs": True}).top_logprobs == 1  # vLLM's SamplingParams: true is 1
 
 
 @pytest.mark.server

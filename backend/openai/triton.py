@@ -298,7 +298,8 @@ class TritonBackend:
                 raise refusal
             state, reason = self._not_ready.get(name, ("", ""))
             where = (f" (it is in the repository, {state or 'not loaded'}{': ' + reason if reason else ''})"
-                     if name in self._not_ready else "")
+                     if name in self._not_ready
+                     else " or does not generate text (an embedding model serves /v1/embeddings)")
             raise OpenAIError(404, f"The model `{name}` does not exist{where}; the generate models are "
                               f"{sorted(models)}", "model_not_found", "model")
         return models[name]
