@@ -137,6 +137,9 @@ def test_sampling_parameters_as_vllms_sampling_params_reads_them():
     assert parsed({"repetition_penalty": 150}).repetition_penalty == 150.0
     with pytest.raises(InvalidRequestError, match="repetition_penalty must be a finite number above 0"):
         parsed({"repetition_penalty": 0})
+    # A guide sent as structured_outputs is named so in its errors.
+    with pytest.raises(InvalidRequestError, match=r"^structured_outputs must be a JSON object, got 5"):
+        parsed({"structured_outputs": 5})
     # Beside the tensor, a request parameter that is no sampling parameter is left alone (the vLLM backend
     # reads none then); a sampling parameter there still counts, the tensor's values first.
     both = parsed({"max_tokens": 3}, {"client_tag": "abc", "max_tokens": 9, "seed": 5})

@@ -197,7 +197,10 @@ class SamplingParams:
         values = {k: v for k, v in values.items() if v is not None}
         if unlimited:
             values["max_tokens"] = None
+        guide_name = "guided_decoding"
         if "structured_outputs" in values:  # the vLLM backend's newer name for guided_decoding
+            if "guided_decoding" not in values:
+                guide_name = "structured_outputs"  # errors name the field the client sent
             values.setdefault("guided_decoding", values["structured_outputs"])
             del values["structured_outputs"]
         unknown = sorted(set(values) - known)
@@ -221,6 +224,10 @@ class SamplingParams:
             return cls(**values)
         except TypeError as exc:  # pragma: no cover - defensive
             raise InvalidRequestError(str(exc)) from None
+        except InvalidRequestError as exc:
+            if guide_name == "guided_decoding" or not str(exc).startswith("guided_decoding"):
+                raise
+            raise InvalidRequestError(guide_name + str(exc)[len("guided_decoding"):]) from None
 
 
 # Fields set by the server, not by a request's JSON: `logprobs` there is vLLM's count, top_logprobs here.
