@@ -430,6 +430,11 @@ def test_a_background_response_runs_on_is_followed_from_any_event_and_is_kept_wh
         with pytest.raises(OpenAIError) as running:  # not continued before it ends
             store.history(output.id)
         assert running.value.status == 400 and running.value.param == "previous_response_id"
+        while not store.get(output.id)["output"]:
+            await asyncio.sleep(0)
+        partial = store.get(output.id)  # shown as it stands: the text so far
+        assert partial["status"] == "in_progress"
+        assert "The answer is 42.".startswith(partial["output"][0]["content"][0]["text"])
         all_events = [e async for e in await runs.follow(output.id, None)]  # follows it to its end
         later = [e async for e in await runs.follow(output.id, 3)]
         parsed = _events_are_the_sdks(all_events)
@@ -507,6 +512,16 @@ def test_the_sdk_runs_a_response_in_the_background_resumes_its_stream_and_cancel
         kept = client.responses.retrieve(queued.id)
     assert kept.status == whole.status and kept.output_text == whole.output_text
     assert kept.usage.output_tokens == whole.usage.output_tokens
+    # While it runs, created whole too, it shows what it has written so far.
+    story = client.responses.create(model=MODEL, input="Tell a long story about a dragon.", max_output_tokens=400,
+                                    temperature=0, background=True, extra_body={"ignore_eos": True})
+    polled = client.responses.retrieve(story.id)
+    while not polled.output_text and polled.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        polled = client.responses.retrieve(story.id)
+    assert polled.status == "in_progress" and polled.output_text, polled
+    stopped = client.responses.cancel(story.id)
+    assert stopped.status == "cancelled" and stopped.output_text.startswith(polled.output_text)
 
     # Streamed: the client reads a few events and goes; the stream is taken up again after the last seen.
     stream = client.responses.create(model=MODEL, input=question, max_output_tokens=16, temperature=0,

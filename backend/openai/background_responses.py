@@ -105,7 +105,7 @@ class BackgroundResponses:
             await self._stop([run])
         elif response["status"] not in ("cancelled", *_RUNNING):
             raise bad_request(f"Cannot cancel a response that is already {response['status']}.", "response_id")
-        return response
+        return self.store.get(response_id)  # as it ended
 
     async def follow(self, response_id: str, starting_after: int | None) -> AsyncIterator[dict]:
         """The events of a background response created streaming after sequence number `starting_after`

@@ -306,6 +306,22 @@ class ResponseOutput:
     def _snapshot(self) -> dict:
         return json.loads(json.dumps(self.response))  # the response as it is now, not as it will be
 
+    def current(self) -> dict:
+        """The response as it stands, the item being written included with its text so far (its own
+        dict gets the text only when it closes)."""
+        response = self._snapshot()
+        open_ = self._open
+        if open_ is not None:
+            item, text = response["output"][open_.output_index], "".join(open_.text)
+            if item["type"] == "message":
+                item["content"] = [{"type": "output_text", "text": text, "annotations": [],
+                                    "logprobs": open_.logprobs if self.body.wants_logprobs else []}]
+            elif item["type"] == "reasoning":
+                item["content"] = [{"type": "reasoning_text", "text": text}]
+            else:
+                item["arguments"] = text
+        return response
+
     def start(self) -> list[dict]:
         created = self._event("response.created", response=self._snapshot())  # a background one: queued
         self.response["status"] = "in_progress"
@@ -482,6 +498,7 @@ class _Kept:
     items: list[dict]  # its request's input items
     events: list[dict] | None  # a background response created streaming: its events, for GET ?stream=true
     size: int
+    running: ResponseOutput | None  # a background response while it runs: shown as it stands
 
 
 class ResponseStore:
@@ -516,7 +533,8 @@ class ResponseStore:
         size = sum(len(json.dumps(part)) for part in (output.response, whole, items, events or []))
         if output.id in self._kept:
             self._bytes -= self._kept[output.id].size
-        self._kept[output.id] = _Kept(output.response, whole, items, events, size)
+        running = output if output.response["status"] in ("queued", "in_progress") else None
+        self._kept[output.id] = _Kept(output.response, whole, items, events, size, running)
         self._bytes += size
         while len(self._kept) > self.capacity or (self._bytes > self.max_bytes and len(self._kept) > 1):
             self._bytes -= self._kept.popitem(last=False)[1].size
@@ -551,7 +569,8 @@ class ResponseStore:
     def get(self, response_id: str) -> dict:
         if response_id not in self._kept:
             raise OpenAIError(404, f"Response with id '{response_id}' not found", "not_found", "response_id")
-        return self._kept[response_id].response
+        kept = self._kept[response_id]
+        return kept.running.current() if kept.running is not None else kept.response
 
     def delete(self, response_id: str) -> dict:
         self.get(response_id)

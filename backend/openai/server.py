@@ -345,6 +345,8 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
 
     async def respond(raw: Request, body: ResponsesRequest, conversation: list[dict], chat: ChatCompletionRequest):
         chat.check()
+        if body.background:
+            chat.stream = True  # its tokens as they come, so that what it has written shows while it runs
         output = ResponseOutput(body, "")
         model, requests, choices = await prepare_chat(chat, output.id)
         output.response["model"] = model.name
