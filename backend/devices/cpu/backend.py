@@ -18,12 +18,13 @@ from torch import nn
 
 from tritonllm.core.config import CpuOptions
 from tritonllm.devices.backend import Capabilities, DeviceBackend, Runtime
-from tritonllm.devices.cpu import kernels
+from tritonllm.devices.cpu import kernels, timed_choices
 from tritonllm.devices.cpu.decoder_stack import DecoderStack
 from tritonllm.devices.cpu.greedy_screen import GreedyScreen
-from tritonllm.devices.cpu.head import CpuGreedyHead, build_screens
+from tritonllm.devices.cpu.head import CpuGreedyHead, build_screens, head_fingerprint, screen_kind
 from tritonllm.devices.cpu.ops import CpuOps
-from tritonllm.devices.cpu.packed_linear import PackedWeight, drop_unread_panels, resolve_cpu_gemm, tune_blocks_max_rows
+from tritonllm.devices.cpu.packed_linear import (PackedWeight, drop_unread_panels, resolve_cpu_gemm, set_blocks_max_rows,
+                                                 tune_blocks_max_rows)
 from tritonllm.layers.fp8 import is_fp8
 from tritonllm.layers.linear import Linear
 
@@ -56,11 +57,24 @@ class CpuBackend(DeviceBackend):
 
     def prepare(self, model: nn.Module) -> None:
         ops = self.ops
+        # greedy_screen=auto on the float32 head: the screen timed fastest against it, where one pays. Untimed
+        # (cpu_gemm other than avx512, whose head is not the float32 one): the bfloat16 screen where the head
+        # is that same bfloat16 copy, else the first.
+        timed = self.options.greedy_screen == "auto" and ops.gemm == "avx512"
+        builds_screens = ops.kernels and self.options.greedy_screen != "false" and self.runtime.rank == 0
+        known, chosen, screen_timing = False, None, None
+        if timed and builds_screens:
+            # The choice depends on this head (its blocks, or none, against the screens): its first rows name it.
+            screen_timing = ("greedy screen", [head_fingerprint(model.lm_head.weight), self.runtime.max_num_seqs,
+                                               self.step_rows, ops.exact_blocks])
+            known, chosen = timed_choices.recall(*screen_timing)
         screens = []
-        if ops.kernels and self.options.greedy_screen != "false" and self.runtime.rank == 0:
-            # Before packing, which drops an untied head's plain weight: the screens keep it.
-            screens = build_screens(self.options.greedy_screen, model.lm_head.weight)
-            self.head.screen_off = "" if screens else "no screen runs on this CPU"
+        if builds_screens:
+            # Before packing, which drops an untied head's plain weight: the screens keep it. Only the one
+            # chosen on this CPU before, if any.
+            screens = build_screens(self.options.greedy_screen, model.lm_head.weight,
+                                    only=([chosen[0]] if chosen else []) if known else None)
+            self.head.screen_off = "" if screens or known else "no screen runs on this CPU"
         elif self.options.greedy_screen == "false":
             self.head.screen_off = "greedy_screen=false"
         layers = [m for m in model.layers.modules() if isinstance(m, Linear)]
@@ -70,14 +84,21 @@ class CpuBackend(DeviceBackend):
             self._tune_blocks(model, layers, screens)
         elif any(layer.weight is not None for layer in layers):
             weights = [layer.weight for layer in layers if layer.weight is not None]
-            if ops.choose_aten_library([*weights, model.lm_head.weight], self.runtime.max_num_seqs) == "onednn":
+            shapes = sorted({(*w.shape, str(w.dtype)) for w in [*weights, model.lm_head.weight]})
+            library, _ = timed_choices.remembered(
+                "aten library", [shapes, self.runtime.max_num_seqs],
+                lambda: ops.choose_aten_library([*weights, model.lm_head.weight], self.runtime.max_num_seqs))
+            ops.aten_library = library
+            if library == "onednn":
                 logger.info("cpu_gemm=aten: torch's oneDNN linear, timed faster than F.linear's BLAS on this CPU")
-        # greedy_screen=auto on the float32 head: the screen timed fastest against it, where one pays. Untimed
-        # (cpu_gemm other than avx512, whose head is not the float32 one): the bfloat16 screen where the head
-        # is that same bfloat16 copy, else the first.
-        timed = self.options.greedy_screen == "auto" and ops.gemm == "avx512"
-        shares = [s for s in screens if isinstance(s, GreedyScreen) and ops.gemm == "avx512_bf16"]
-        self.head.choose_screen(shares or screens, model.lm_head.packed, self.runtime.max_num_seqs, timed)
+        if known:
+            self.head.use_screen(screens[0] if screens else None, chosen[1] if chosen else 0, model.lm_head.packed)
+        else:
+            shares = [s for s in screens if isinstance(s, GreedyScreen) and ops.gemm == "avx512_bf16"]
+            self.head.choose_screen(shares or screens, model.lm_head.packed, self.runtime.max_num_seqs, timed)
+            if screen_timing is not None and screens:
+                timed_choices.keep(*screen_timing, [screen_kind(self.head.screen), self.head.screen_min_rows]
+                                   if self.head.screen is not None else None)
         if ops.kernels:
             self.stack_refusal = DecoderStack.refusal(model) if ops.kv_kernels else "an FP8 KV pool"
             ops.decoder_stack = None if self.stack_refusal else DecoderStack(model)
@@ -89,8 +110,7 @@ class CpuBackend(DeviceBackend):
         ops = self.ops
         packed = [layer.packed for layer in layers if isinstance(layer.packed, PackedWeight)]  # not FP8 ones
         if ops.exact_blocks:
-            logger.info("exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
-                        tune_blocks_max_rows(packed, self.runtime.max_num_seqs, self.step_rows))
+            logger.info("exact blocks read by GEMMs of up to %d rows (%s)", *self._blocks_max_rows(packed))
         bf16 = [screen for screen in screens if isinstance(screen, GreedyScreen)]
         shared = bf16[0].packed if ops.gemm == "avx512_bf16" and bf16 else None
         if self.runtime.rank == 0:
@@ -99,14 +119,24 @@ class CpuBackend(DeviceBackend):
             if head.blocks is not None:
                 # Its own crossover: an 8-bit head's blocks are a quarter of its panels' bytes, not an eighth.
                 # Its steps pass a full batch where draft tokens are verified (a row each) or prompts want log-probs.
-                logger.info("the LM head's exact blocks read by GEMMs of up to %d rows (timed on this CPU)",
-                            tune_blocks_max_rows([head], self.runtime.max_num_seqs, self.step_rows))
+                logger.info("the LM head's exact blocks read by GEMMs of up to %d rows (%s)",
+                            *self._blocks_max_rows([head]))
             packed_head = [head]
         else:
             packed_head = []
         freed = drop_unread_panels(packed, self.step_rows) + drop_unread_panels(packed_head, self.step_rows)
         if freed:
             logger.info("float32 panels freed where the exact blocks take every step: %.0f MiB", freed / 2**20)
+
+    def _blocks_max_rows(self, weights: list[PackedWeight]) -> tuple[int, str]:
+        """Up to how many rows `weights`' GEMMs read their exact blocks (set on each), timed on this CPU or as
+        timed here before for weights of these shapes and blocks; and which of the two it was."""
+        shapes = sorted({(w.out_features, w.in_features, str(w.blocks[0].dtype)) for w in weights if w.blocks is not None})
+        rows, kept = timed_choices.remembered(
+            "exact blocks max rows", [shapes, self.runtime.max_num_seqs, self.step_rows],
+            lambda: tune_blocks_max_rows(weights, self.runtime.max_num_seqs, self.step_rows))
+        set_blocks_max_rows(weights, rows)
+        return rows, "as timed on this CPU before" if kept else "timed on this CPU"
 
     def plan(self) -> dict[str, str]:
         plan = super().plan()

@@ -5,6 +5,7 @@ float32 LM head.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import torch
@@ -24,11 +25,16 @@ EXACT_HEAD_MAX_ROWS = 2
 Screen = GreedyScreen | Int8GreedyScreen
 
 
-def build_screens(greedy_screen: str, head_weight: torch.Tensor) -> list[Screen]:
+def build_screens(greedy_screen: str, head_weight: torch.Tensor, only: list[str] | None = None) -> list[Screen]:
     """The screens `greedy_screen` asks for that this CPU and build run, the 8-bit one first (only the
-    first for `true`); the reason logged where none can."""
+    first for `true`); the reason logged where none can. `only`: of those, just these kinds (the one
+    timed fastest here before; none where the float32 head was)."""
     wanted = {"auto": ("int8", "bfloat16"), "true": ("int8", "bfloat16"), "int8": ("int8",),
               "bfloat16": ("bfloat16",)}[greedy_screen]
+    if only is not None:
+        wanted = tuple(kind for kind in wanted if kind in only)
+        if not wanted:
+            return []
     screens: list[Screen] = []
     missing = []
     for kind in wanted:
@@ -48,6 +54,21 @@ def build_screens(greedy_screen: str, head_weight: torch.Tensor) -> list[Screen]
         logger.info("greedy_screen=%s: the screens need %s; the float32 head takes every row", greedy_screen,
                     " or ".join(missing))
     return screens
+
+
+def screen_kind(screen: Screen | None) -> str | None:
+    """"int8" or "bfloat16"; None for no screen."""
+    if screen is None:
+        return None
+    return "int8" if isinstance(screen, Int8GreedyScreen) else "bfloat16"
+
+
+def head_fingerprint(weight: torch.Tensor) -> str:
+    """A short name for an LM head's weight, from its shape and first rows' bytes: what a screen's timing
+    against it depends on (whether the head has exact blocks, and which) differs between models."""
+    rows = weight.detach()[:64].contiguous()
+    digest = hashlib.sha256(rows.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    return f"{'x'.join(map(str, weight.shape))}:{weight.dtype}:{digest}"
 
 
 class CpuGreedyHead(GreedyHead):
@@ -78,11 +99,21 @@ class CpuGreedyHead(GreedyHead):
         logger.info("greedy_screen: the %s screen, for steps of %d rows or more (timed on this CPU)",
                     self.screen_kind(), self.screen_min_rows)
 
+    def use_screen(self, screen: Screen | None, min_rows: int, head: PackedWeight | None) -> None:
+        """Keep `screen` from `min_rows` rows (None: no screen), as timed on this CPU by an earlier load
+        (timed_choices.py), against `head`."""
+        self.head = head
+        self.screen, self.screen_min_rows = screen, min_rows
+        if screen is None:
+            self.screen_off = "the float32 head is faster on this CPU"
+            logger.info("greedy_screen: the float32 head is faster on this CPU (as timed here before); no screen")
+        else:
+            logger.info("greedy_screen: the %s screen, for steps of %d rows or more (as timed on this CPU before)",
+                        self.screen_kind(), min_rows)
+
     def screen_kind(self) -> str | None:
         """"int8" or "bfloat16": the screen greedy steps take; None without one."""
-        if self.screen is None:
-            return None
-        return "int8" if isinstance(self.screen, Int8GreedyScreen) else "bfloat16"
+        return screen_kind(self.screen)
 
     def argmax_logprob(self, logits: torch.Tensor, logprobs: bool = True) -> torch.Tensor | None:
         if not self.fused or logits.dtype != torch.float32:

@@ -140,9 +140,14 @@ def tune_blocks_max_rows(weights: list[PackedWeight], max_rows: int, step_rows: 
         rows *= 2
     if step_rows is not None and best * 2 > max_rows:
         best = max(best, step_rows)
-    for w in weights:
-        w.blocks_max_rows = best
+    set_blocks_max_rows(weights, best)
     return best
+
+
+def set_blocks_max_rows(weights: list[PackedWeight], rows: int) -> None:
+    """GEMMs of up to `rows` rows read these weights' exact blocks (tune_blocks_max_rows's result)."""
+    for w in weights:
+        w.blocks_max_rows = rows
 
 
 def drop_unread_panels(weights: list[PackedWeight], step_rows: int) -> int:
