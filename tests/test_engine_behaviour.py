@@ -119,7 +119,9 @@ def test_prefix_cache_hits_and_gives_identical_outputs(engine, model_dir):
     with_cache = [o.token_ids for o in engine.generate(prompts, params)]
     with_cache += [o.token_ids for o in engine.generate(prompts, params)]  # second round: all cached
     assert engine.block_manager.prefix_hit_tokens - hits_before > 4 * 300
-    no_cache = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=256, enable_prefix_caching=False, warmup=False))
+    # Exact blocks off: a quicker load, the same results bit for bit (test_exact_blocks.py).
+    no_cache = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=256, enable_prefix_caching=False, warmup=False,
+                                                   exact_block_weights=False))
     without = [o.token_ids for o in no_cache.generate(prompts, params)]
     assert with_cache[:4] == without and with_cache[4:] == without
     assert no_cache.block_manager.prefix_hit_tokens == 0
@@ -140,13 +142,22 @@ def test_a_prefix_ending_inside_a_block_is_reused_and_outputs_match_transformers
         assert out.token_ids == transformers_greedy(hf_model, ids, out.token_ids, 8, min_new_tokens=8)[0]
 
 
-def test_tiny_pool_preempts_and_still_gives_identical_outputs(engine, model_dir):
+@pytest.fixture(scope="module")
+def tiny_pool_workload(engine):
+    """The tiny-pool tests' prompts, parameters and reference outputs (from the shared engine, whose pool
+    has room for all of them at once)."""
     prompts = [p for p in CHAT_PROMPTS + PLAIN_PROMPTS if len(p) < 200]
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
-    ref = [o.token_ids for o in engine.generate(prompts, params)]
-    # 40 blocks x 16 tokens = 640 token slots for 14 sequences that need ~1,200: preemption is forced.
-    tiny = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=40, max_model_len=640,
-                               enable_prefix_caching=False, warmup=False))
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    return prompts, params, [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def test_tiny_pool_preempts_and_still_gives_identical_outputs(tiny_pool_workload, model_dir):
+    prompts, params, ref = tiny_pool_workload
+    # 20 blocks x 16 tokens = 320 token slots for 14 sequences of 33-47 tokens that need 42 blocks
+    # (~570 tokens) together: preemption is forced.
+    # Exact blocks off: a quicker load, the same results bit for bit (test_exact_blocks.py).
+    tiny = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=20, max_model_len=320,
+                               enable_prefix_caching=False, warmup=False, exact_block_weights=False))
     got = [o.token_ids for o in tiny.generate([p for p in prompts], params)]
     assert tiny.scheduler.num_preemptions > 0
     assert got == ref
@@ -154,13 +165,11 @@ def test_tiny_pool_preempts_and_still_gives_identical_outputs(engine, model_dir)
     tiny.block_manager.check_invariants()
 
 
-def test_tiny_pool_holding_back_known_outputs_preempts_nothing_and_gives_identical_outputs(engine, model_dir):
-    prompts = [p for p in CHAT_PROMPTS + PLAIN_PROMPTS if len(p) < 200]
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
-    ref = [o.token_ids for o in engine.generate(prompts, params)]
+def test_tiny_pool_holding_back_known_outputs_preempts_nothing_and_gives_identical_outputs(tiny_pool_workload, model_dir):
+    prompts, params, ref = tiny_pool_workload
     # The pool of the test above; with their lengths known, sequences wait instead of being preempted.
-    tiny = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=40, max_model_len=640, reserve_known_growth=True,
-                               enable_prefix_caching=False, warmup=False))
+    tiny = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=20, max_model_len=320, reserve_known_growth=True,
+                               enable_prefix_caching=False, warmup=False, exact_block_weights=False))
     peak = 0
     seqs = [tiny._seqs[tiny.add_request(p, params)] for p in prompts]
     while tiny.has_unfinished():
@@ -168,7 +177,7 @@ def test_tiny_pool_holding_back_known_outputs_preempts_nothing_and_gives_identic
         peak = max(peak, tiny.block_manager.num_used_blocks)
     assert tiny.scheduler.num_preemptions == 0
     assert [q.output_token_ids for q in seqs] == ref
-    assert 30 <= peak <= 40 and tiny.block_manager.num_used_blocks == 0  # the pool was used, never overrun
+    assert 15 <= peak <= 20 and tiny.block_manager.num_used_blocks == 0  # the pool was used, never overrun
     tiny.block_manager.check_invariants()
 
 

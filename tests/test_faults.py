@@ -241,8 +241,9 @@ def test_cancellation_storm_leaves_nothing_behind(triton_server):
         max_tokens = rng.choice([8, 96, 400, 1500])
         probes.append(Probe(triton_server.grpc_url, f"c{i}", make_inputs(
             PROMPTS[i % len(PROMPTS)], stream=stream, sampling={"max_tokens": max_tokens, "ignore_eos": True})))
-        # A few are cancelled at once (still in the inbox or waiting), the rest mid-stream.
-        cancel_at.append(0.0 if i % 6 == 0 else rng.uniform(0.3, 4.0))
+        # A few are cancelled at once (still in the inbox or waiting), the rest mid-stream, within 2 s
+        # (no 400- or 1500-token request ends that soon).
+        cancel_at.append(0.0 if i % 6 == 0 else rng.uniform(0.3, 2.0))
     for t, p in sorted(zip(cancel_at, probes), key=lambda item: item[0]):
         time.sleep(max(0.0, start + t - time.monotonic()))
         p.cancel()
@@ -335,11 +336,12 @@ def test_disconnect_storm_aborts_what_the_dead_clients_asked_for(triton_server):
 
 # ---- 3. overload ---------------------------------------------------------------------------------
 def test_requests_beyond_capacity_queue_and_all_finish(triton_server):
-    # More than max_num_seqs (64) sent together, each long enough (64 steps of a full batch, seconds,
-    # against the metrics' 0.5 s refresh) that the last 16 wait for the first 64. Every stream is
-    # opened before the first send: opened and sent one by one on a slow machine, short requests
-    # finished before the last ones arrived, and none ever waited.
-    n, max_tokens = 80, 64
+    # More than max_num_seqs (64) sent together, each long enough (32 steps of a full batch, seconds,
+    # against the metrics' 0.5 s refresh: the gauge showed requests waiting for 3-4 s on a 2-core
+    # machine) that the last 8 wait for the first 64. Every stream is opened before the first send:
+    # opened and sent one by one on a slow machine, short requests finished before the last ones
+    # arrived, and none ever waited.
+    n, max_tokens = 72, 32
     before = scrape(triton_server.metrics_url)
     max_waiting = [0.0]
     stop = threading.Event()
@@ -378,9 +380,10 @@ def small_queue_server(variant_server):
 
 def test_a_full_queue_answers_unavailable_and_the_rest_finish(small_queue_server):
     server = small_queue_server
-    n, max_tokens = 16, 32
+    n, max_tokens = 16, 16
     before = scrape(server.metrics_url)
-    # Every stream opened first, then all sent together: a burst, however slow the machine opens streams.
+    # Every stream opened first, then all sent together: a burst, however slow the machine opens streams
+    # (the 16 sends take milliseconds; the first request to end needs 16 steps after its prompt).
     probes = [Probe(server.grpc_url, f"q{i}", make_inputs(
         PROMPTS[i % len(PROMPTS)], stream=bool(i % 2), sampling={"max_tokens": max_tokens, "ignore_eos": True}),
         send=False) for i in range(n)]
@@ -457,13 +460,19 @@ def tiny_kv_server(variant_server):
 
 def test_tiny_kv_pool_preempts_and_everyone_finishes(tiny_kv_server):
     server = tiny_kv_server
-    n, max_tokens = 16, 200  # 16 x ~210 tokens against 48 blocks x 16 = 768 token slots
+    # 16 x 86-100 tokens (prompts of 6-20), 6-7 blocks each, against 48 blocks x 16 = 768 token slots:
+    # all 16 are admitted together (their prompts take 16 blocks), grow in step, and need twice the pool
+    # long before any ends, so preemption is certain (and asserted below). Every stream is opened before
+    # the first send, so the burst arrives together however slowly the streams open.
+    n, max_tokens = 16, 80
     before = scrape(server.metrics_url)
     probes = [Probe(server.grpc_url, f"k{i}", make_inputs(
         f"Story {i}: {PROMPTS[i % len(PROMPTS)]}", stream=bool(i % 4),
-        sampling={"max_tokens": max_tokens, "ignore_eos": True})) for i in range(n)]
+        sampling={"max_tokens": max_tokens, "ignore_eos": True}), send=False) for i in range(n)]
     try:
-        wait_all(probes, timeout=480)  # ~1,000 steps of 3-4 sequences plus recomputed prefixes, on 2 shared cores
+        for p in probes:
+            p.send()
+        wait_all(probes, timeout=480)  # ~130 steps of up to 8 sequences plus recomputed prefixes, on 2 shared cores
         assert_one_terminal_each(probes)
     finally:
         close_all(probes)
@@ -694,7 +703,7 @@ def small_engine(model_dir):
     from tritonllm.engine.engine import Engine
 
     return Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=64, max_model_len=512, max_num_seqs=2,
-                               warmup=False))
+                               warmup=False, exact_block_weights=False))  # a quick load: few tokens are decoded
 
 
 class _Outputs:

@@ -157,21 +157,22 @@ def test_vllm_preemption_step_phase_and_prefix_cache_families_follow_real_reques
 
 @pytest.mark.server
 def test_vllm_preemption_counter_moves_when_the_kv_pool_is_too_small(variant_server):
-    """8 blocks of 16 tokens for three requests that each grow to 4 blocks: the newest is preempted."""
+    """4 blocks of 16 tokens for three requests (prompts of 4 tokens) that each grow to 2 blocks: the newest
+    is preempted."""
     from grpc_stream import StreamClient, make_inputs
 
-    server = variant_server("eight_kv_blocks", num_kv_blocks=8, max_model_len=128, warmup="false",
+    server = variant_server("four_kv_blocks", num_kv_blocks=4, max_model_len=64, warmup="false",
                             speculative_tokens=0)
     before = scrape(server.metrics_url)
     client = StreamClient(server.grpc_url)
     try:
         for k in range(3):
             client.send(f"q{k}", make_inputs(f"Story {k}:", sampling={
-                "max_tokens": 60, "ignore_eos": True, "temperature": 1.0, "seed": k}))
+                "max_tokens": 28, "ignore_eos": True, "temperature": 1.0, "seed": k}))
         results = client.wait([f"q{k}" for k in range(3)], timeout=300)
     finally:
         client.close()
-    assert all(r.error is None and r.num_output_tokens == 60 for r in results.values()), results
+    assert all(r.error is None and r.num_output_tokens == 28 for r in results.values()), results
     prompts = sum(r.num_input_tokens for r in results.values())
 
     def delta(samples, name, labels=_VLLM_LABELS):

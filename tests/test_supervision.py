@@ -29,7 +29,7 @@ import tritonclient.grpc.aio as grpcaio
 
 from prompts import CHAT_PROMPTS, PLAIN_PROMPTS
 from supervised import (FAST, EmbeddingTraffic, StreamProbe, Supervised, embed, generate_inputs, get, make_repository,
-                        vector_ok, wait_streaming)
+                        needed_by, start_together, stop_together, vector_ok, wait_streaming)
 
 pytestmark = pytest.mark.server
 
@@ -37,21 +37,54 @@ PROMPTS = PLAIN_PROMPTS[:4] + CHAT_PROMPTS[:4]
 TERMINAL_S = 10.0  # each request in flight ends within this long of the death
 DETECT_S = 5.0  # readiness turns false within this long
 BACK_S = 300.0  # generous: a reload is a model load, and this machine is shared
+DRAIN_EXIT_TIMEOUT_S = 5  # the drain test's --exit-timeout-secs (see that test)
+
+
+def _served(root):
+    # Back-offs of 0.25 s, doubling to a cap of 0.5 s: the doubling itself is not what these tests are about, and
+    # the failing-load test's restarts 3 and 4 would otherwise wait 1 s and 2 s. With the cap, a restart tried past
+    # the limit would come within about half a second, well inside that test's wait for "nothing more is tried".
+    return Supervised(make_repository(root / "repo", **FAST), root / "serve.log",
+                      "--max-restarts", "4", "--restart-backoff", "0.25", "--restart-backoff-max", "0.5")
+
+
+def _tp_served(root):
+    return Supervised(make_repository(root / "repo", with_minilm=False, tensor_parallel_size=2, **FAST),
+                      root / "serve.log", "--restart-backoff", "0.25")
+
+
+def _drain_server(root):
+    # A context long enough for the drain test's long request (8000 tokens).
+    long_context = {**FAST, "max_model_len": 8192, "num_kv_blocks": 600}
+    return Supervised(make_repository(root / "repo", with_minilm=False, **long_context), root / "serve.log",
+                      f"--exit-timeout-secs={DRAIN_EXIT_TIMEOUT_S}")
+
+
+_SERVERS = {"served": _served, "tp_served": _tp_served, "drain_server": _drain_server}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("supervised")
-    # Back-offs capped at 1 s: the doubling itself is not what these tests are about, and the failing-load test's
-    # restarts 3 and 4 would otherwise wait 2 s and 4 s. With the cap, a restart tried past the limit would come
-    # within about a second, well inside that test's wait for "nothing more is tried".
-    server = Supervised(make_repository(root / "repo", **FAST), root / "serve.log",
-                        "--max-restarts", "4", "--restart-backoff", "0.5", "--restart-backoff-max", "1")
-    server.start()
+def _servers(request, tmp_path_factory):
+    """This module's servers that the tests being run need, all started at once: a load is mostly one core's work
+    (imports, the tokenizer, the weights), and a server waiting for its tests uses ~2 % of one. The tests that end
+    a server (SIGINT, SIGTERM) end their own; the rest are stopped here."""
+    servers = {name: make(tmp_path_factory.mktemp(name)) for name, make in _SERVERS.items() if needed_by(request, name)}
+    start_together(*servers.values())
     try:
-        yield server
+        yield servers
     finally:
-        server.stop()
+        stop_together(*servers.values())
+
+
+def _server(servers: dict, name: str, tmp_path_factory) -> Supervised:
+    if name not in servers:  # a test this module's fixture did not foresee: its server is started now
+        servers[name] = _SERVERS[name](tmp_path_factory.mktemp(name)).start()
+    return servers[name]
+
+
+@pytest.fixture(scope="module")
+def served(_servers, tmp_path_factory):
+    return _server(_servers, "served", tmp_path_factory)
 
 
 def _wait_running(server, n: int, timeout: float = 60) -> None:
@@ -236,7 +269,7 @@ def test_a_model_that_keeps_failing_to_load_is_marked_failed_with_the_reason(ser
         assert get(served.http + "/v2/health/ready")[0] == 503
         assert "not restarted again" in served.log_text()
         restarts = served.metric("llm_model_restarts_total", model="smollm2")
-        time.sleep(3)  # nothing more is tried
+        time.sleep(1.5)  # nothing more is tried
         assert served.metric("llm_model_restarts_total", model="smollm2") == restarts
         assert embed(served.http)[0] == 200  # minilm serves on
     finally:
@@ -285,15 +318,8 @@ def served_stubs_alive(served) -> bool:
 
 # ---- a tensor-parallel worker ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tp_served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("supervised-tp")
-    server = Supervised(make_repository(root / "repo", with_minilm=False, tensor_parallel_size=2, **FAST),
-                        root / "serve.log", "--restart-backoff", "0.5")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def tp_served(_servers, tmp_path_factory):
+    return _server(_servers, "tp_served", tmp_path_factory)
 
 
 def test_a_killed_tensor_parallel_worker_fails_its_requests_and_the_model_comes_back(tp_served):
@@ -323,14 +349,16 @@ def test_a_killed_tensor_parallel_worker_fails_its_requests_and_the_model_comes_
 
 
 # ---- drain -------------------------------------------------------------------------------------------
-def test_sigterm_lets_requests_finish_refuses_new_ones_and_exits_0(tmp_path):
-    # The short request has time to finish even at a token a second (a loaded 2-core machine); the long one
-    # cannot, even at a few hundred tokens a second (an idle one).
-    exit_timeout = 8
-    long_context = {**FAST, "max_model_len": 8192, "num_kv_blocks": 600}
-    server = Supervised(make_repository(tmp_path / "repo", with_minilm=False, **long_context), tmp_path / "serve.log",
-                        f"--exit-timeout-secs={exit_timeout}")
-    server.start()
+@pytest.fixture(scope="module")
+def drain_server(_servers, tmp_path_factory):
+    return _server(_servers, "drain_server", tmp_path_factory)
+
+
+def test_sigterm_lets_requests_finish_refuses_new_ones_and_exits_0(drain_server):
+    # The short request has time to finish even at a token a second (a loaded 2-core machine): 4 tokens are left
+    # once it streams. The long one cannot, even at a few hundred tokens a second (an idle one).
+    exit_timeout = DRAIN_EXIT_TIMEOUT_S
+    server = drain_server
     short = long = None
     try:
         # First, 20 streams each closed the moment its final response is in, as most clients do: none may keep
@@ -342,7 +370,7 @@ def test_sigterm_lets_requests_finish_refuses_new_ones_and_exits_0(tmp_path):
         for t in closers:
             t.join(timeout=90)
         assert all(p.finals == 1 and p.error is None for p in quick), [p.errors for p in quick if p.errors]
-        short = StreamProbe(server.grpc_url, "short", generate_inputs(PLAIN_PROMPTS[0], 6))
+        short = StreamProbe(server.grpc_url, "short", generate_inputs(PLAIN_PROMPTS[0], 5))
         long = StreamProbe(server.grpc_url, "long", generate_inputs(PLAIN_PROMPTS[1], 8000))
         wait_streaming([short, long])
         server.signal(signal.SIGTERM)

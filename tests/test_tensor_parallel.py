@@ -53,7 +53,10 @@ def tp_engine(model_dir):
     from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
-    eng = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=512, max_num_seqs=16, tensor_parallel_size=2))
+    # No warm-up (a throw-away step at load: no result changes); exact blocks on, as by default, so that the
+    # ranks' greedy ids are compared with both ranks reading their shards' exact blocks.
+    eng = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=512, max_num_seqs=16, tensor_parallel_size=2,
+                                              warmup=False))
     yield eng
     eng.close()
 
@@ -85,11 +88,13 @@ def test_two_ranks_with_a_float16_kv_cache_give_the_same_greedy_ids_as_one(model
     from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
+    # Exact blocks off on both (the KV dtype is what is tested here; tp_engine's tests read them): a quicker load.
     prompts = PLAIN_PROMPTS[:3]
-    one = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16", warmup=False))
+    one = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16", warmup=False,
+                                              exact_block_weights=False))
     expected = [o.token_ids for o in one.generate(prompts, GREEDY)]
     two = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16",
-                              tensor_parallel_size=2, warmup=False))
+                              tensor_parallel_size=2, warmup=False, exact_block_weights=False))
     try:
         assert [o.token_ids for o in two.generate(prompts, GREEDY)] == expected
     finally:
@@ -114,7 +119,7 @@ def test_a_worker_dying_mid_stream_fails_the_requests_and_the_engine(model_dir):
     from tritonllm.engine.engine_loop import EngineDeadError, EngineLoop
 
     eng = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=256, max_num_seqs=8, tensor_parallel_size=2,
-                              warmup=False))
+                              warmup=False, exact_block_weights=False))  # a quick load: it only has to stream
     loop = EngineLoop(eng)
     try:
         outputs: dict[str, list] = {}
@@ -155,7 +160,10 @@ def test_a_worker_dying_mid_stream_fails_the_requests_and_the_engine(model_dir):
 
 @pytest.fixture(scope="module")
 def tp_server(variant_server):
-    return variant_server("tp2", tensor_parallel_size=2, num_kv_blocks=512, max_num_seqs=16)
+    # No warm-up, no exact blocks: a quicker load, the same results (tp_engine's tests cover two ranks reading
+    # exact blocks; the offline reference reads them, so the served ids also show they change nothing).
+    return variant_server("tp2", tensor_parallel_size=2, num_kv_blocks=512, max_num_seqs=16, warmup="false",
+                          exact_block_weights="false")
 
 
 def test_served_with_two_ranks_the_streams_equal_one_rank_offline(engine, tp_server):
@@ -216,5 +224,6 @@ def test_a_worker_that_cannot_load_fails_the_engine_start_with_its_reason(model_
     monkeypatch.setattr(model_runner, "WorkerSpec", spec_without_weights)
     started = time.monotonic()
     with pytest.raises(TensorParallelError, match="rank 1 failed to load: .*nonexistent"):
-        Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=2, warmup=False))
+        Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=64, tensor_parallel_size=2, warmup=False,
+                                            exact_block_weights=False))
     assert time.monotonic() - started < 300  # well under the workers' 600 s start-up limit: no hang
