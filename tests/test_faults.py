@@ -625,6 +625,9 @@ def test_fuzzed_requests_get_a_final_response_or_invalid_arg(triton_server):
                    "sampling": json.dumps({"temperature": 0.5, "seed": 2**60, "max_tokens": 2})})
     @example(case={"prompt": "Hi", "input_ids": None, "mangle": None, "flags": {}, "parameters": None,
                    "sampling": json.dumps({"min_tokens": 1, "stop_token_ids": [2**40], "max_tokens": 2})})
+    # Not streaming, the prompt's text leads the output: negative ids once failed to decode as an internal error.
+    @example(case={"prompt": None, "input_ids": [-1258, -37487, 571], "mangle": None, "flags": {}, "parameters": {},
+                   "sampling": None})
     @given(case=FUZZ_CASES)
     def run(case):
         count[0] += 1

@@ -63,9 +63,19 @@ class ResponseAssembler:
         self._num_taken = 0  # responses taken so far
         # Not streaming, the prompt leads each full text unless exclude_input_in_output (vLLM backend's);
         # a prompt given as token ids leads it as the text those spell.
-        self._prompt_prefix = ""
-        if not parsed.exclude_input_in_output and not parsed.stream:
-            self._prompt_prefix = parsed.prompt if parsed.prompt is not None else decode_token(parsed.prompt_token_ids or [])
+        # Decoded when the first text goes out, after the engine has checked the ids: an id out of the
+        # tokenizer's range (a negative one) is the request's INVALID_ARG, not an error here.
+        self._prompt_prefix: str | None = None
+
+    def _prefix(self) -> str:
+        """What leads each full text: the prompt, not streaming and unless exclude_input_in_output."""
+        if self._prompt_prefix is None:
+            parsed = self.parsed
+            self._prompt_prefix = ""
+            if not parsed.exclude_input_in_output and not parsed.stream:
+                self._prompt_prefix = (parsed.prompt if parsed.prompt is not None
+                                       else self._decode(parsed.prompt_token_ids or []))
+        return self._prompt_prefix
 
     @property
     def finished(self) -> bool:
@@ -117,7 +127,7 @@ class ResponseAssembler:
         p = self.parsed
         cs = self.completions
         outputs = {
-            "text_output": np.array([(self._prompt_prefix + "".join(c.text)).encode("utf-8") for c in cs],
+            "text_output": np.array([(self._prefix() + "".join(c.text)).encode("utf-8") for c in cs],
                                     dtype=np.object_),
             "output_ids": np.array([t for c in cs for t in c.ids], dtype=np.int32),
         }
