@@ -121,11 +121,13 @@ class EngineMetrics:
         seen = self._timings_seen
         if timings["steps"] < seen["steps"]:  # the engine's timings were started again
             seen.update({k: 0 for k in seen})
-        if timings["steps"] > seen["steps"]:
-            self.steps.increment(timings["steps"] - seen["steps"])
+        # Each increment is its own call to tritonserver, so a scrape can fall between two of them: the
+        # phases' seconds go first, so that a scrape that counts a step also holds that step's time.
         for key, phase in STEP_PHASES.items():
             if timings[key] > seen[key]:
                 self.step_seconds[phase].increment(timings[key] - seen[key])
+        if timings["steps"] > seen["steps"]:
+            self.steps.increment(timings["steps"] - seen["steps"])
         seen.update({k: timings[k] for k in seen})
 
     def close(self) -> None:
