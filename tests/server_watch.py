@@ -67,7 +67,15 @@ def python_stacks(server, pid: int) -> str:
         os.kill(pid, signal.SIGUSR1)
     except ProcessLookupError:
         return f"stub {pid} is gone"
-    time.sleep(2.0)
+    # faulthandler writes them from its signal handler, all at once: done when the log has grown and then
+    # stays still a moment (bounded: a frozen stub's handler still runs, but give up after 2 s).
+    deadline, seen = time.monotonic() + 2.0, before
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        size = len(server.log_text())
+        if size == seen > before:
+            break
+        seen = size
     return server.log_text()[before:].strip() or "(nothing written to the log)"
 
 

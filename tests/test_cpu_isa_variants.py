@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -165,12 +166,26 @@ def aarch64_flags(tmp_path_factory):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def aarch64_checks(request, aarch64_flags):
+    """Each selected source's syntax check, started at once for them all, as many at a time as there are
+    cores (each is one compiler process): source name -> its finished subprocess, as a future."""
+    sources = sorted({item.callspec.params["source"] for item in request.session.items
+                      if item.module is request.module and "aarch64_checks" in item.fixturenames})
+
+    def check(source: str) -> subprocess.CompletedProcess:
+        return subprocess.run([AARCH64_CXX, *aarch64_flags, "-fsyntax-only", str(CSRC / source)], capture_output=True,
+                              text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        yield {source: pool.submit(check, source) for source in sources}
+
+
 @pytest.mark.skipif(not shutil.which(AARCH64_CXX),
                     reason=f"no {AARCH64_CXX} (scripts/install.sh installs g++-aarch64-linux-gnu for the test extra)")
 @pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cpp")))
-def test_each_source_compiles_for_aarch64(source, aarch64_flags):
+def test_each_source_compiles_for_aarch64(source, aarch64_checks):
     """The generic variant on an ARM server: every x86 intrinsic behind its #if. torch's and Python's
     headers pick their own SIMD by the compiler's target defines (__aarch64__ here), not the host's."""
-    done = subprocess.run([AARCH64_CXX, *aarch64_flags, "-fsyntax-only", str(CSRC / source)], capture_output=True,
-                          text=True, timeout=300)
+    done = aarch64_checks[source].result()
     assert done.returncode == 0, done.stderr[-6000:]
