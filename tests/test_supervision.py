@@ -63,6 +63,44 @@ def _drain_server(root):
 _SERVERS = {"served": _served, "tp_served": _tp_served, "drain_server": _drain_server}
 
 
+@pytest.mark.unit
+def test_a_companion_that_dies_is_started_again_at_once_then_after_a_doubling_backoff(caplog):
+    """The OpenAI server beside tritonserver (serving/supervision/companion.py), as a real process."""
+    import subprocess
+    import sys
+
+    from tritonllm.serving.supervision.companion import Companion
+
+    companion = Companion("sleeper", lambda: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]),
+                          backoff_max_s=4)
+    assert [companion.backoff(n) for n in range(7)] == [0, 0, 1, 2, 4, 4, 4]  # n: quick deaths in a row
+
+    async def kill_and_wait(restarts: int):
+        killed = companion.process
+        killed.kill()
+        deadline = time.monotonic() + 30
+        while companion.restarts < restarts:
+            assert time.monotonic() < deadline, "not started again"
+            await asyncio.sleep(0.05)
+        assert companion.process.pid != killed.pid and companion.process.poll() is None
+
+    async def run():
+        companion.run()
+        try:
+            with caplog.at_level("ERROR", logger="tritonllm.serving.supervision.companion"):
+                await kill_and_wait(1)
+                await kill_and_wait(2)
+        finally:
+            last = companion.process
+            await companion.stop()
+        assert last.poll() is not None
+
+    asyncio.run(run())
+    first, second = [r.getMessage() for r in caplog.records if "starting it again" in r.getMessage()]
+    assert "killed by SIGKILL" in first and first.endswith("starting it again"), first  # at once
+    assert second.endswith("starting it again in 1 s"), second  # died within a minute again
+
+
 @pytest.fixture(scope="module")
 def _servers(request, tmp_path_factory):
     """This module's servers that the tests being run need, all started at once: a load is mostly one core's work

@@ -37,14 +37,15 @@ class Companion:
         self._task = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
-        backoff, started = 0.0, time.monotonic()
+        quick_deaths, started = 0, time.monotonic()  # deaths in a row, each within a minute of its start
         while True:
             while self.process.poll() is None:
                 await asyncio.sleep(0.5)
             if self._stopping:
                 return
             lived = time.monotonic() - started
-            backoff = 0.0 if lived > 60 else min(max(2 * backoff, 1.0), self.backoff_max_s)
+            quick_deaths = 0 if lived > 60 else quick_deaths + 1
+            backoff = self.backoff(quick_deaths)
             logger.error("the %s (pid %d) %s after %.0f s; starting it again%s", self.name, self.process.pid,
                          returncode_description(self.process.returncode), lived,
                          f" in {backoff:.0f} s" if backoff else "")
@@ -53,6 +54,11 @@ class Companion:
                 return
             self.process, started = self._start(), time.monotonic()
             self.restarts += 1
+
+    def backoff(self, quick_deaths: int) -> float:
+        """Seconds to wait before the next start, after `quick_deaths` deaths in a row within a minute of
+        their starts (0: it had run longer)."""
+        return 0.0 if quick_deaths <= 1 else min(2.0 ** (quick_deaths - 2), self.backoff_max_s)
 
     async def stop(self) -> None:
         self._stopping = True
