@@ -152,7 +152,7 @@ def test_a_dead_server_leaves_the_balancer_and_rejoins_after_it_heals(tmp_path):
         locust_log.close()
         if balancer is not None:
             balancer.stop()
-        stop_together(a, b)  # a's exit waits out tritonserver's exit timeout on the dead stub's version
+        stop_together(a, b)
 
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert not [r for r in records if r["outcome"] in ("lost", "extra")], "a request without exactly one FINAL or error"

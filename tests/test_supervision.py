@@ -333,6 +333,8 @@ def test_sigint_with_a_dead_stub_exits_0_without_hanging(served):
     started = time.monotonic()
     assert served.wait(60) == 0
     print(f"exited {time.monotonic() - started:.1f} s after SIGINT")
+    # Not after tritonserver's exit timeout: once the living stubs had ended, only the dead one's version was left.
+    assert "waits only on the version(s) whose stub died: stopping it now" in served.log_text()
     assert probe.close(timeout=5)
     deadline = time.monotonic() + 15  # the orphan guards end stubs a killed tritonserver leaves
     while os.path.exists(f"/proc/{server_pid}") or served_stubs_alive(served):

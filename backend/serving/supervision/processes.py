@@ -55,10 +55,8 @@ def returncode_description(returncode: int) -> str:
     return f"killed by {name}{hint}"
 
 
-def stubs_of(server_pid: int, repository: Path, model: str) -> dict[int, str]:
-    """The live stub processes of tritonserver `server_pid` that serve `model`: pid -> instance name."""
-    folder = str(repository / model) + os.sep
-    found = {}
+def _living_stubs(server_pid: int):
+    """(pid, argv) of each stub process of tritonserver `server_pid` that has not exited."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -66,11 +64,20 @@ def stubs_of(server_pid: int, repository: Path, model: str) -> dict[int, str]:
         if fields is None or int(fields[1]) != server_pid or fields[0] == "Z":
             continue
         args = _cmdline(int(entry))
-        if len(args) < 2 or not args[0].endswith(STUB_MARKER) or not args[1].startswith(folder):
-            continue
-        instance = next((a for a in args[2:] if a.startswith(f"{model}_")), model)
-        found[int(entry)] = instance
-    return found
+        if len(args) >= 2 and args[0].endswith(STUB_MARKER):
+            yield int(entry), args
+
+
+def stubs_of(server_pid: int, repository: Path, model: str) -> dict[int, str]:
+    """The live stub processes of tritonserver `server_pid` that serve `model`: pid -> instance name."""
+    folder = str(repository / model) + os.sep
+    return {pid: next((a for a in args[2:] if a.startswith(f"{model}_")), model)
+            for pid, args in _living_stubs(server_pid) if args[1].startswith(folder)}
+
+
+def any_stub_alive(server_pid: int) -> bool:
+    """Whether tritonserver `server_pid` has a stub process, of any model, that has not exited."""
+    return next(_living_stubs(server_pid), None) is not None
 
 
 def set_parent_death_signal() -> None:

@@ -49,7 +49,8 @@ from tritonllm.serving.supervision.companion import Companion
 from tritonllm.serving.supervision.front import Front, Policy
 from tritonllm.serving.supervision.metrics import supervisor_metrics
 from tritonllm.serving.supervision.model_state import Model
-from tritonllm.serving.supervision.processes import LIBC, ProcessWatch, exit_description, set_parent_death_signal, stubs_of
+from tritonllm.serving.supervision.processes import (LIBC, ProcessWatch, any_stub_alive, exit_description,
+                                                    set_parent_death_signal, stubs_of)
 from tritonllm.serving.supervision.restart_policy import RestartPolicy
 from tritonllm.serving.supervision.tritonserver_api import TritonserverApi
 
@@ -77,6 +78,9 @@ class Supervisor:
         self._server_watch: ProcessWatch | None = None
         self._stub_watches: dict[int, ProcessWatch] = {}
         self.server_generation = 0
+        # Versions whose stub died in this tritonserver: they never finish unloading, so its shutdown would
+        # wait out its exit timeout on them once everything else has unloaded.
+        self.dead_stub_versions = 0
         self._stop = asyncio.Event()
         self._signals = 0
         self._health_dir = Path(tempfile.mkdtemp(prefix="tritonllm-health-"))
@@ -149,6 +153,7 @@ class Supervisor:
         cmd, env = self._server_command()
         self.server_generation += 1
         generation = self.server_generation
+        self.dead_stub_versions = 0
         logger.info("starting tritonserver on private ports (HTTP %d, gRPC %d, metrics %d)", self.private["http"],
                     self.private["grpc"], self.private["metrics"])
         # Its own session: Ctrl-C on the terminal reaches the launcher, which drains, not tritonserver.
@@ -181,6 +186,14 @@ class Supervisor:
             proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
             while proc.poll() is None and time.monotonic() < deadline:
+                if self.dead_stub_versions and not any_stub_alive(proc.pid):
+                    # Every living model has unloaded (its stubs have exited); what is left is a dead stub's
+                    # version, which tritonserver would wait on until its exit timeout, for nothing.
+                    logger.info("every stub has ended; tritonserver waits only on the version(s) whose stub "
+                                "died: stopping it now")
+                    proc.kill()
+                    await asyncio.get_running_loop().run_in_executor(None, proc.wait)
+                    break
                 await asyncio.sleep(0.1)
             if proc.poll() is None:
                 logger.warning("tritonserver did not exit within %.0f s of SIGTERM (requests held by a dead stub "
@@ -262,6 +275,7 @@ class Supervisor:
         how = exit_description(pid)
         detail = f"its stub process (pid {pid}, instance {instance}) died, {how}"
         m.zombie = True
+        self.dead_stub_versions += 1
         self._model_died(m, "stub_died", detail)
 
     def _model_died(self, m: Model, cause: str, detail: str) -> None:
