@@ -586,6 +586,60 @@ def test_aiperf_profiles_the_openai_endpoint(served, tmp_path):
     assert result["output_sequence_length"]["avg"] == 8  # counted from usage: ignore_eos reached the model
 
 
+def test_fuzzed_bodies_get_an_answer_or_an_openai_error_and_the_server_serves_on(served):
+    """Valid requests with a few fields set to arbitrary JSON (any type, any size, nested): each gets 200 or a 4xx
+    in OpenAI's error shape, never a 500 or a dropped connection; the server answers a plain request after."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                               | st.text(max_size=20),
+                               lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                           max_size=3), max_leaves=6)
+    messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                                               "content": json_values}), max_size=3)
+    endpoints = {
+        "/v1/chat/completions": ({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+                                 ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                                  "top_k", "n", "stop", "seed", "logprobs", "top_logprobs", "logit_bias", "response_format",
+                                  "tools", "tool_choice", "stream", "stream_options", "min_tokens", "stop_token_ids",
+                                  "guided_json", "guided_regex", "guided_choice", "chat_template_kwargs", "prompt_logprobs"]),
+        "/v1/completions": ({"model": MODEL, "prompt": "Hi", "max_tokens": 3},
+                            ["model", "prompt", "max_tokens", "temperature", "n", "stop", "seed", "logprobs", "echo",
+                             "suffix", "best_of", "stream", "logit_bias", "ignore_eos", "guided_choice"]),
+        "/v1/responses": ({"model": MODEL, "input": "Hi", "max_output_tokens": 3},
+                          ["model", "input", "instructions", "max_output_tokens", "temperature", "tools", "tool_choice",
+                           "text", "stream", "store", "background", "previous_response_id", "reasoning", "include"]),
+    }
+    answered: dict[int, int] = {}
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(sorted(endpoints)), data=st.data())
+    def run(path, data):
+        body, fields = endpoints[path]
+        body = dict(body)
+        for name in data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
+            body[name] = data.draw(messages | json_values if name == "messages" else json_values)
+        for name, most in (("max_tokens", 8), ("max_output_tokens", 8), ("n", 2)):  # bounded work when valid
+            if isinstance(body.get(name), int) and body[name] > most:
+                body[name] = most
+        request = urllib.request.Request(f"{served.base}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                status, text = r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            status, text = exc.code, exc.read()
+        answered[status] = answered.get(status, 0) + 1
+        assert status == 200 or (400 <= status < 500 and "message" in json.loads(text)["error"]), (status, body, text)
+
+    run()
+    assert answered.get(200) and answered.get(400), answered  # both kinds were tried
+    status, _ = _post(served, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert status == 200
+
+
 # ---- last: the OpenAI server killed -----------------------------------------------------------------
 
 def test_a_killed_openai_server_is_started_again(served, client):
