@@ -175,7 +175,7 @@ class Supervised:
 def start_together(*servers) -> None:
     """start() each server (Supervised or TritonServer) on its own thread, all at once; raise the first failure
     after every start has ended, the ones that did start stopped. A load is mostly one core's work (imports, the
-    tokenizer, the weights): on an idle 2-core machine two FAST loads at once took 6.8 s, one alone 5.0 s."""
+    tokenizer, the weights), so on a machine of two or more cores loads side by side take little more than one."""
     assemble_backend_dir()  # once first: its copies' temporary names are per process, not per thread
     failures: list[BaseException] = []
 
