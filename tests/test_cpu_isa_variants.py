@@ -123,7 +123,7 @@ def _default_variant() -> str:
 def test_each_variant_this_cpu_runs_passes_the_kernel_tests(name):
     """The default variant runs the whole suite; each other one this CPU can run passes the kernel tests
     (the unit tier of tests/test_cpu_kernels.py, test_greedy_screen.py, test_packed_gemm.py and
-    test_lora_kernel.py) in a
+    test_lora_kernel.py, and test_exact_blocks.py's GEMM against the float32 panels) in a
     process of its own (one variant per process), so an AVX-512 machine also tests the AVX2 and scalar
     code paths. A variant not built yet (install.sh builds them all) is built first."""
     runnable = cpu_kernels.runnable_variants(cpu_kernels._cpu_flags(), platform.machine())
@@ -132,7 +132,8 @@ def test_each_variant_this_cpu_runs_passes_the_kernel_tests(name):
     if name == _default_variant():
         pytest.skip(f"{name} is this CPU's default variant: the rest of the suite tests it")
     tests = [str(REPO / "tests" / f) for f in ("test_cpu_kernels.py", "test_greedy_screen.py", "test_packed_gemm.py",
-                                                 "test_lora_kernel.py")]
+                                                 "test_lora_kernel.py",
+                                                 "test_exact_blocks.py::test_the_block_gemm_equals_the_float32_gemm_bit_for_bit")]
     done = subprocess.run([sys.executable, "-m", "pytest", *tests, "-q", "-m", "unit", "-k", "not engine and not untied",
                            "-p", "no:cacheprovider"], env={**os.environ, cpu_kernels.ISA_ENV: name},
                           cwd=REPO, capture_output=True, text=True, timeout=900)

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 RETIME_ENV = "TRITONLLM_RETIME"
 FILE_NAME = "timed_choices.json"
-SCHEMA = 1  # raise when what a choice means, or the kernels it times, change
+SCHEMA = 2  # raise when what a choice means, or the kernels it times, change
 
 T = TypeVar("T")
 

@@ -18,9 +18,10 @@
 // the compiler cannot fuse with anything.
 //
 // The same source builds for AVX-512 and AVX2 + FMA (panel_vectors.h); on either, the results equal
-// packed_gemm's on that build, and the two builds give the same bits. On AVX2 (16 registers) the
-// microkernel broadcasts its rows' x first and decodes one vector of 8 columns at a time, straight
-// into their FMAs; the sums are the same chains in the same order.
+// packed_gemm's on that build, and the two builds give the same bits. On AVX2 (16 registers) one or
+// two rows take a whole panel, broadcasting their x first and decoding one vector of 8 columns at a
+// time straight into their FMAs; 3 to 5 rows take it in halves of 16 columns (row_block). The sums
+// are the same chains in the same order.
 //
 // Layout per 32-column panel (the last one zero-padded; zero codes and scales decode to 0.0):
 //   Q4_1: codes [K, 16] uint8, byte j of a k step = column j (low nibble) | column j + 16 (high);
@@ -44,6 +45,7 @@
 #include <cstring>
 #include <array>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -52,7 +54,7 @@ namespace {
 constexpr int64_t kPanel = 32;           // output columns per panel (two zmm, four ymm)
 constexpr int64_t kBlock = 32;           // k values sharing one scale (and one min)
 #if TRITONLLM_PANEL_GEMM && !defined(__AVX512F__)
-constexpr int kMaxRows = 3;              // rows per microkernel call on AVX2 (packed_gemm.cpp's MR; 2 measured slower)
+constexpr int kMaxRows = 5;              // rows per row block on AVX2 (row_block: 10 accumulators at most)
 #else
 constexpr int kMaxRows = 12;             // rows per microkernel call
 #endif
@@ -150,7 +152,10 @@ constexpr int V = pv::kPanelVectors;     // vectors per k step of a panel
 constexpr int kHalfVectors = 16 / pv::VL;  // vectors per 16 columns
 
 // A format decodes one k step of a panel into the V vectors of its 32 float32 weights.
-struct Q4Blocks {
+// Q4_1 blocks. kShiftNibbles: the low nibbles by two shifts rather than a 0xf mask, which would take a
+// register of its own (row_block uses it where the 16 ymm are all taken).
+template <bool kShiftNibbles>
+struct Q4Format {
   static constexpr int64_t kCodeBytes = kPanel / 2, kScaleFloats = 2 * kPanel;
 #if TRITONLLM_PANEL_VL == 16
   vf d_[V], m_[V];  // the block's d and m in registers: 32 zmm have room
@@ -171,9 +176,12 @@ struct Q4Blocks {
   vf decode(const uint8_t* c, int j) const {
     const vi v = pv::widen_u8(c + (j % kHalfVectors) * pv::VL);
     // d * q is exact (pack_block_weight checks), so one rounding is both
-    return pv::fma(pv::to_float(j < kHalfVectors ? v & 0xf : v >> 4), d(j), m(j));
+    const vi q = j >= kHalfVectors ? v >> 4 : kShiftNibbles ? (vi)((pv::vu32)(v << 28) >> 28) : v & 0xf;
+    return pv::fma(pv::to_float(q), d(j), m(j));
   }
 };
+
+using Q4Blocks = Q4Format<false>;
 
 struct Q8Blocks {
   static constexpr int64_t kCodeBytes = kPanel, kScaleFloats = kPanel;
@@ -206,18 +214,19 @@ struct DecodedPanel {
 // order, so the results stay the same bit for bit.
 // `keep` (P = 1): also store each k step's decoded weights there ([k, 32] float32) for the panel's later
 // row blocks. Panel q of the P starts at codes + q * code_stride and scales + q * scale_stride.
-template <typename Format, int R, int P = 1>
+template <typename Format, int R, int P = 1, int J0 = 0, int J1 = V>
 void microkernel(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, int64_t k, float* y,
                  int64_t ldy, const float* bias, bool prefetch, float* keep) {
   constexpr int64_t kBlockBytes = kBlock * Format::kCodeBytes, kLineSteps = 64 / Format::kCodeBytes;
   constexpr int64_t kAhead = (kPrefetchBytes + kBlockBytes - 1) / kBlockBytes;  // in blocks
   const int64_t code_stride = k * Format::kCodeBytes, scale_stride = (k / kBlock) * Format::kScaleFloats;
-  vf acc[P][R][V];
+  constexpr int W = J1 - J0;  // the panel's vectors J0 .. J1 - 1: all of it, or on AVX2 half of it (row_block)
+  vf acc[P][R][W];
 #pragma GCC unroll 4
   for (int q = 0; q < P; ++q)
 #pragma GCC unroll 4
-    for (int j = 0; j < V; ++j) {
-      const vf init = bias ? pv::load(bias + q * kPanel + j * pv::VL) : pv::zero();
+    for (int j = 0; j < W; ++j) {
+      const vf init = bias ? pv::load(bias + q * kPanel + (J0 + j) * pv::VL) : pv::zero();
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) acc[q][r][j] = init;
     }
@@ -236,24 +245,24 @@ void microkernel(const float* x, int64_t ldx, const uint8_t* codes, const float*
       for (int q = 0; q < P; ++q)
         if (prefetch && (i % kLineSteps) == 0)
           pv::prefetch(codes + q * code_stride + (blk + kAhead) * kBlockBytes + (i - blk * kBlock) * Format::kCodeBytes);
-      if constexpr (V <= 2) {  // AVX-512: the step's vectors decoded, then R rows' FMAs, one broadcast at a time
-        vf b[P][V];
+      if constexpr (W <= 2) {  // AVX-512, AVX2's half panels: the step's vectors decoded, then R rows' FMAs, one broadcast at a time
+        vf b[P][W];
 #pragma GCC unroll 4
         for (int q = 0; q < P; ++q)
 #pragma GCC unroll 4
-          for (int j = 0; j < V; ++j) b[q][j] = format[q].decode(codes + q * code_stride + i * Format::kCodeBytes, j);
+          for (int j = 0; j < W; ++j) b[q][j] = format[q].decode(codes + q * code_stride + i * Format::kCodeBytes, J0 + j);
         if (P == 1 && keep)
 #pragma GCC unroll 4
-          for (int j = 0; j < V; ++j) pv::store(keep + i * kPanel + j * pv::VL, b[0][j]);
+          for (int j = 0; j < W; ++j) pv::store(keep + i * kPanel + (J0 + j) * pv::VL, b[0][j]);
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
           const vf a = pv::splat(x[r * ldx + i]);
 #pragma GCC unroll 4
           for (int q = 0; q < P; ++q)
 #pragma GCC unroll 4
-            for (int j = 0; j < V; ++j) acc[q][r][j] = pv::fma(a, b[q][j], acc[q][r][j]);
+            for (int j = 0; j < W; ++j) acc[q][r][j] = pv::fma(a, b[q][j], acc[q][r][j]);
         }
-      } else {  // AVX2 (16 ymm): R broadcasts, then one decoded vector at a time into R rows' FMAs
+      } else {  // AVX2's whole panels (one or two rows): R broadcasts, then one decoded vector at a time into R rows' FMAs
         vf a[R];
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) a[r] = pv::splat(x[r * ldx + i]);
@@ -274,14 +283,32 @@ void microkernel(const float* x, int64_t ldx, const uint8_t* codes, const float*
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int j = 0; j < V; ++j) pv::store(y + r * ldy + q * kPanel + j * pv::VL, acc[q][r][j]);
+      for (int j = 0; j < W; ++j) pv::store(y + r * ldy + q * kPanel + (J0 + j) * pv::VL, acc[q][r][j]);
+}
+
+// One block of R rows over one panel. On AVX2, 3 to 5 rows take the panel in two halves of 16 columns,
+// one after the other: 4 R accumulators, R broadcasts and the decoding do not fit in 16 ymm from 3 rows
+// on (a spilled accumulator puts a store and a reload into its FMA chain); 2 R accumulators, two
+// decoded vectors and one broadcast do, up to 5 rows (with Q4_1's low nibbles shifted out at 5). Each
+// half decodes its own columns, so the panel is still decoded once, and every sum keeps its k order.
+// Two rows fit whole, and run faster so from memory.
+template <typename Format, int R>
+void row_block(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, int64_t k, float* y,
+               int64_t ldy, const float* bias, bool prefetch, float* keep) {
+  if constexpr (V == 4 && R > 2) {
+    using F = std::conditional_t<std::is_same_v<Format, Q4Blocks> && R >= 5, Q4Format<true>, Format>;
+    microkernel<F, R, 1, 0, 2>(x, ldx, codes, scales, k, y, ldy, bias, prefetch, keep);
+    microkernel<F, R, 1, 2, 4>(x, ldx, codes, scales, k, y, ldy, bias, false, keep);
+  } else {
+    microkernel<Format, R>(x, ldx, codes, scales, k, y, ldy, bias, prefetch, keep);
+  }
 }
 
 using Microkernel = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t, const float*, bool,
                              float*);
 template <typename F, int... R>
 constexpr std::array<Microkernel, kMaxRows + 1> microkernel_table(std::integer_sequence<int, R...>) {
-  return {nullptr, &microkernel<F, R + 1>...};
+  return {nullptr, &row_block<F, R + 1>...};
 }
 template <typename F>
 constexpr auto kMicrokernels = microkernel_table<F>(std::make_integer_sequence<int, kMaxRows>{});
