@@ -179,7 +179,7 @@ def test_a_non_finite_value_past_the_sample_rows_is_not_taken_for_blocks(kind, v
 
 @panel_gemm
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
-# 1 to 6: each row block of both builds (AVX2: one row; 2 to 5 rows in half panels; 3 + 3); 200: decodes with a prompt chunk
+# 1 to 6: each row block of both builds (AVX2: 1 or 2 rows whole, 3 to 5 in half panels, 6 as 3 + 3); 200: decodes with a prompt chunk
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 10, 12, 13, 30, 64, 200])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 64), (576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])

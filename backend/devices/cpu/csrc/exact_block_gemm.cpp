@@ -55,8 +55,10 @@ constexpr int64_t kPanel = 32;           // output columns per panel (two zmm, f
 constexpr int64_t kBlock = 32;           // k values sharing one scale (and one min)
 #if TRITONLLM_PANEL_GEMM && !defined(__AVX512F__)
 constexpr int kMaxRows = 5;              // rows per row block on AVX2 (row_block: 10 accumulators at most)
+constexpr int kSplitRows = 3;            // rows per row block where a call's rows need several (run_panels)
 #else
 constexpr int kMaxRows = 12;             // rows per microkernel call
+constexpr int kSplitRows = kMaxRows;
 #endif
 constexpr int64_t kClaimsPerThread = 8;  // panel runs each thread claims (claimed_chunks.h)
 // The first row block of a panel pulls its codes (and scales) this far ahead into L1, so codes coming
@@ -295,7 +297,7 @@ void microkernel(const float* x, int64_t ldx, const uint8_t* codes, const float*
 template <typename Format, int R>
 void row_block(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, int64_t k, float* y,
                int64_t ldy, const float* bias, bool prefetch, float* keep) {
-  if constexpr (V == 4 && R > 2) {
+  if constexpr (V == 4 && R > 2 && !std::is_same_v<Format, DecodedPanel>) {
     using F = std::conditional_t<std::is_same_v<Format, Q4Blocks> && R >= 5, Q4Format<true>, Format>;
     microkernel<F, R, 1, 0, 2>(x, ldx, codes, scales, k, y, ldy, bias, prefetch, keep);
     microkernel<F, R, 1, 2, 4>(x, ldx, codes, scales, k, y, ldy, bias, false, keep);
@@ -318,16 +320,17 @@ constexpr auto kMicrokernels = microkernel_table<F>(std::make_integer_sequence<i
 // panel) as on AVX-512 (docs/HISTORY.md has both measurements).
 constexpr int64_t kOneRowPanels = 2;
 
-// The threads claim runs of panels. A panel's first block of up to kMaxRows rows decodes it in
-// registers and, when more rows follow, also stores the float32 weights it decoded in a per-thread
-// buffer ([K, 32]: 74 KB at K = 576, in L2), which the later row blocks read as packed_gemm reads its
-// panels: each panel is decoded once per call, not once per row block. With the rows split evenly
-// (row_blocks.h), many rows cost no more than from the float32 panels.
+// The threads claim runs of panels. Up to kMaxRows rows are one row block; more are split evenly into
+// blocks of up to kSplitRows (row_blocks.h). A panel's first block decodes it in registers and, when
+// more blocks follow, also stores the float32 weights it decoded in a per-thread buffer ([K, 32]: 74 KB
+// at K = 576, in L2), which the later blocks read as packed_gemm reads its panels: each panel is decoded
+// once per call, not once per row block, and many rows cost no more than from the float32 panels. (On
+// AVX2 those later blocks run whole panels of 3 rows, faster than halves of 5 once nothing is decoded.)
 template <typename F>
 void run_panels(const float* xp, int64_t k, const uint8_t* codes, const float* scales, int64_t panels, int64_t m,
                 int64_t n, const float* bias, float* yp) {
   if (m == 0) return;
-  const tritonllm::RowBlocks row_blocks(m, kMaxRows);
+  const tritonllm::RowBlocks row_blocks(m, m <= kMaxRows ? kMaxRows : kSplitRows);
   const int64_t group = m == 1 ? kOneRowPanels : 1, full_panels = n / kPanel;
   const int64_t grain = (tritonllm::grain_for(panels, kClaimsPerThread) + group - 1) / group * group;
   tritonllm::parallel_claim(panels, grain, [&](tritonllm::ClaimedChunks& items) {
