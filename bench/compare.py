@@ -90,19 +90,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# What limits a run's instruction sets: our kernels' variant, oneDNN's and ATen's.
+ISA_LIMITS = ("TRITONLLM_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
 def cpu_name() -> str:
-    """Model name, logical CPU count and the ISA extensions that decide fp32/bf16/int8 GEMM speed."""
-    name, flags = "unknown CPU", set()
+    """Model name, family and model numbers (a cloud VM's name is often just "AMD EPYC": these tell a
+    Zen 3 from a Zen 4), logical CPU count, the ISA extensions that decide fp32/bf16/int8 GEMM speed, and
+    the settings that hold the run to fewer of them (an AVX-512 machine run as an AVX2-only one)."""
+    name, flags, numbers = "unknown CPU", set(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name == "unknown CPU":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and name == "unknown CPU":
+                name = value
+            elif key in ("cpu family", "model") and key not in numbers:
+                numbers[key] = value
+            elif key == "flags" and not flags:
+                flags = set(value.split())
     except OSError:
         pass
     isa = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
-    return f"{name} ({os.cpu_count()} logical CPUs; {' '.join(isa) or 'no AVX2'})"
+    parts = [f"family {numbers['cpu family']} model {numbers['model']}"] if len(numbers) == 2 else []
+    parts += [f"{os.cpu_count()} logical CPUs", " ".join(isa) or "no AVX2"]
+    held = [f"{var}={os.environ[var]}" for var in ISA_LIMITS if os.environ.get(var)]
+    if held:
+        parts.append("held to " + " ".join(held))
+    return f"{name} ({'; '.join(parts)})"
 
 
 class Comparison:

@@ -1,7 +1,9 @@
-"""The comparison benchmark's arrival bound (bench/compare_report.py): what the replay's schedule allows."""
+"""The comparison benchmark's arrival bound (bench/compare_report.py): what the replay's schedule allows;
+and how its reports name the CPU (bench/compare.py)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import compare  # noqa: E402
 import compare_report  # noqa: E402
 
 
@@ -36,3 +39,16 @@ def test_without_a_serial_baseline_or_a_tpot_the_bound_says_less():
     bound = compare_report.arrival_bound(requests, [_serial(5.0, extrapolated=True)])
     assert "floor_s" not in bound
     assert compare_report.arrival_bound_lines(bound).count("~") == 2  # extrapolated numbers are marked
+
+
+def test_a_report_names_the_cpu_by_its_numbers_and_the_instruction_sets_the_run_was_held_to(monkeypatch):
+    for var in compare.ISA_LIMITS:
+        monkeypatch.delenv(var, raising=False)
+    plain = compare.cpu_name()
+    assert "logical CPUs" in plain and "held to" not in plain
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists() and re.search(r"^cpu family\s*:", cpuinfo.read_text(), re.M):  # x86
+        assert re.search(r"\(family \d+ model \d+; ", plain), plain
+    monkeypatch.setenv("TRITONLLM_CPU_ISA", "avx2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert compare.cpu_name().endswith("; held to TRITONLLM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2)")
