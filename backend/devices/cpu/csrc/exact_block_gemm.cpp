@@ -168,10 +168,17 @@ struct Q4Format {
   vf d(int j) const { return d_[j]; }
   vf m(int j) const { return m_[j]; }
 #else
-  const float* s_;  // AVX2: d and m read from L1 at each use, so the 16 ymm hold the sums (measured faster)
-  void block(const float* s) { s_ = s; }
-  vf d(int j) const { return pv::load(s_ + j * pv::VL); }
-  vf m(int j) const { return pv::load(s_ + kPanel + j * pv::VL); }
+  // AVX2: m in registers, d read from L1 at each use (as an FMA's memory operand), so the 16 ymm still
+  // hold the sums; holding d too spills them
+  const float* d_;
+  vf m_[V];
+  void block(const float* s) {
+    d_ = s;
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) m_[j] = pv::load(s + kPanel + j * pv::VL);
+  }
+  vf d(int j) const { return pv::load(d_ + j * pv::VL); }
+  vf m(int j) const { return m_[j]; }
 #endif
   // Vector j: columns 16 (j / H) + VL (j % H) .., bytes VL (j % H) .. (H = 16 / VL): low nibbles for the
   // first 16 columns, high for the next 16.
