@@ -195,6 +195,26 @@ def test_the_block_gemm_equals_the_float32_gemm_bit_for_bit(kind, rows, out_feat
 
 
 @panel_gemm
+@pytest.mark.parametrize("rows", [1, 5, 13])
+def test_the_block_gemm_result_does_not_depend_on_the_thread_count(rows):
+    # Each thread claims panels from its own run, then from the back of the others' (csrc/claimed_chunks.h):
+    # with more threads than cores the OS pauses some and the others take their panels. Every column is
+    # computed once, whoever takes it; 3072 columns make 96 panels, several claims per run.
+    weight = q4_weight(3072, 576, seed=rows)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    codes, scales = cpu_kernels.pack_block_weight(*find_blocks(weight))
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3, 7):
+            torch.set_num_threads(count)
+            results += [cpu_kernels.block_gemm(x, codes, scales, None, 3072) for _ in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(bits(r), bits(results[0])) for r in results[1:])
+
+
+@panel_gemm
 def test_the_block_gemm_refuses_mismatched_inputs():
     codes, scales = cpu_kernels.pack_block_weight(*find_blocks(q8_weight(64, 64, seed=4)))
     with pytest.raises(RuntimeError, match="in_features"):

@@ -230,6 +230,10 @@ void microkernel(const float* x, int64_t ldx, const uint8_t* codes, const float*
   constexpr int64_t kAhead = (kPrefetchBytes + kBlockBytes - 1) / kBlockBytes;  // in blocks
   const int64_t code_stride = k * Format::kCodeBytes, scale_stride = (k / kBlock) * Format::kScaleFloats;
   constexpr int W = J1 - J0;  // the panel's vectors J0 .. J1 - 1: all of it, or on AVX2 half of it (row_block)
+  // Past its last block a stream's prefetches go on into the same stream of the next P panels, the
+  // next microkernel call of a thread's own run (claimed_chunks.h); for P = 1 that is the next panel
+  // itself, for P = 2 the stream jumps the group's other panel.
+  const int64_t nblocks = k / kBlock;
   vf acc[P][R][W];
 #pragma GCC unroll 4
   for (int q = 0; q < P; ++q)
@@ -240,20 +244,22 @@ void microkernel(const float* x, int64_t ldx, const uint8_t* codes, const float*
       for (int r = 0; r < R; ++r) acc[q][r][j] = init;
     }
   Format format[P];
-  for (int64_t blk = 0; blk < k / kBlock; ++blk) {
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
 #pragma GCC unroll 4
     for (int q = 0; q < P; ++q) {
       const float* qs = scales + q * scale_stride;
       format[q].block(qs + blk * Format::kScaleFloats);
       if (prefetch)
         for (int64_t line = 0; line < Format::kScaleFloats * 4; line += 64)
-          pv::prefetch(reinterpret_cast<const char*>(qs + (blk + kAhead) * Format::kScaleFloats) + line);
+          pv::prefetch(reinterpret_cast<const char*>(qs + (blk + kAhead) * Format::kScaleFloats +
+                                                     (blk + kAhead >= nblocks ? (P - 1) * scale_stride : 0)) + line);
     }
     for (int64_t i = blk * kBlock; i < (blk + 1) * kBlock; ++i) {
 #pragma GCC unroll 4
       for (int q = 0; q < P; ++q)
         if (prefetch && (i % kLineSteps) == 0)
-          pv::prefetch(codes + q * code_stride + (blk + kAhead) * kBlockBytes + (i - blk * kBlock) * Format::kCodeBytes);
+          pv::prefetch(codes + q * code_stride + (blk + kAhead) * kBlockBytes + (i - blk * kBlock) * Format::kCodeBytes +
+                       (blk + kAhead >= nblocks ? (P - 1) * code_stride : 0));
       if constexpr (W <= 2) {  // AVX-512, AVX2's half panels: the step's vectors decoded, then R rows' FMAs, one broadcast at a time
         vf b[P][W];
 #pragma GCC unroll 4
@@ -340,7 +346,7 @@ void run_panels(const float* xp, int64_t k, const uint8_t* codes, const float* s
   const tritonllm::RowBlocks row_blocks(m, m <= kMaxRows ? kMaxRows : kSplitRows);
   const int64_t group = m == 1 ? kOneRowPanels : 1, full_panels = n / kPanel;
   const int64_t grain = (tritonllm::grain_for(panels, kClaimsPerThread) + group - 1) / group * group;
-  tritonllm::parallel_claim(panels, grain, [&](tritonllm::ClaimedChunks& items) {
+  tritonllm::parallel_claim(panels, grain, tritonllm::ClaimOrder::kOwnRuns, [&](tritonllm::ClaimedChunks::Claimer& items) {
     alignas(64) float tail[kMaxRows * kPanel];  // the last panel's block when N is not a multiple of 32
     alignas(64) float tail_bias[kPanel] = {};
     // Kept across calls: a fresh buffer of this size would come from mmap, page faults and all, every call.

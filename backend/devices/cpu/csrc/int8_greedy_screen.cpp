@@ -242,7 +242,8 @@ void screen_rows(const float* xp, int64_t rows, const Int8Head& head, int64_t gr
   std::vector<float> floor(rows, -std::numeric_limits<float>::infinity());
   std::mutex floor_lock;
   const int64_t tiles = groups / D::kTileGroups;
-  tritonllm::parallel_claim(tiles, tritonllm::grain_for(tiles, kClaimsPerThread), [&](tritonllm::ClaimedChunks& items) {
+  tritonllm::parallel_claim(tiles, tritonllm::grain_for(tiles, kClaimsPerThread), tritonllm::ClaimOrder::kOwnRuns,
+                            [&](tritonllm::ClaimedChunks::Claimer& items) {
     std::vector<float> mine(rows, -std::numeric_limits<float>::infinity());
     for (int64_t begin, end; items.next(begin, end);)
       for (int64_t t = begin; t < end; ++t)

@@ -12,8 +12,8 @@
 // The microkernel holds an MR x 32 block of y in accumulators (AVX-512: MR <= 12, 24 of the 32 zmm;
 // AVX2: MR <= 3, 12 of the 16 ymm, the rest for 3 broadcasts and one panel vector at a time), and
 // per k loads the panel's vectors and broadcasts one x value per row. The threads claim runs of
-// panels as they go (about 8 runs each per row chunk; claimed_chunks.h), so each streams a contiguous part of the weight and a thread the OS
-// pauses does not hold up the GEMM; rows are taken in chunks whose x slice stays in L2, which only
+// panels as they go, each from its own contiguous share first (claimed_chunks.h, kOwnRuns), so each
+// streams a contiguous part of the weight and a thread the OS pauses does not hold up the GEMM; rows are taken in chunks whose x slice stays in L2, which only
 // matters for prefill-sized M. Sums run in k order, one FMA per product, so a row's result does
 // not depend on the batch it runs in, nor on the build (AVX2 and AVX-512 give the same bits).
 //
@@ -241,9 +241,9 @@ void run_panels(const Elem* xp, int64_t ldx, const Elem* wp, int64_t steps, int6
                                                         kMaxRows * kMaxRows);
   const bool prefetch = m >= 4;  // a 1-3 row pass is a pure stream the hardware prefetcher keeps up with alone
   const int64_t row_chunks = (m + chunk - 1) / chunk;
-  // Work items are (row chunk, panel), row chunk major, so both threads share a chunk's x in L2.
-  tritonllm::parallel_claim(row_chunks * panels, tritonllm::grain_for(panels, kClaimsPerThread),
-                            [&](tritonllm::ClaimedChunks& items) {
+  // Work items are (row chunk, panel), row chunk major: a thread's own run is consecutive panels.
+  tritonllm::parallel_claim(row_chunks * panels, tritonllm::grain_for(panels, kClaimsPerThread), tritonllm::ClaimOrder::kOwnRuns,
+                            [&](tritonllm::ClaimedChunks::Claimer& items) {
     alignas(64) float tail[kMaxRows * kPanel];  // the last panel's block when N is not a multiple of 32
     alignas(64) float tail_bias[kPanel] = {};   // ... and its bias, zero-padded (same arithmetic as full panels)
     for (int64_t begin, end; items.next(begin, end);) {

@@ -387,7 +387,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t calls_per_block = 2 * (s.G / head_group(s.G)) * s.BS;
   const std::vector<int64_t> order = longest_first(endp, startp, s.B);
 
-  tritonllm::parallel_claim(s.B * s.KVH, 1, [&](tritonllm::ClaimedChunks& items) {
+  tritonllm::parallel_claim(s.B * s.KVH, 1, tritonllm::ClaimOrder::kInOrder, [&](tritonllm::ClaimedChunks::Claimer& items) {
     std::vector<float> scores(s.G * s.BS);  // one row of block scores per query head
     std::vector<HeadState> st(s.G);
     std::unique_ptr<bool[]> partial(new bool[s.BS]);  // which keys of a partial block the row sees
