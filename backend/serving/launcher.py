@@ -13,8 +13,14 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
-from tritonllm.serving.supervision import cli as supervision_cli
-from tritonllm.serving.tritonserver_process import assemble_backend_dir, build_command, check_numpy, server_env
+# The supervisor forks to exec tritonserver (its preexec_fn sets the parent-death signal) while the
+# front's gRPC threads run. gRPC's fork handlers are for children that go on using gRPC, which ours
+# never do: with them on, a fork that met a busy gRPC thread left the front's poller with a closed
+# descriptor and tritonserver aborted at start. Set before grpc is first imported (the front's modules).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from tritonllm.serving.supervision import cli as supervision_cli  # noqa: E402
+from tritonllm.serving.tritonserver_process import assemble_backend_dir, build_command, check_numpy, server_env  # noqa: E402
 
 
 def openai_options(args: argparse.Namespace) -> list[str]:
