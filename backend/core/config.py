@@ -82,7 +82,7 @@ class DeviceConfig:
 
     device: str = "auto"  # auto | cpu | cuda[:N] | npu[:N]; auto picks npu, then cuda, then cpu
     num_threads: int = 0  # torch intra-op threads on CPU (0: torch's default; per rank with tensor parallelism)
-    warmup: bool = True  # run the largest step shapes once at load, so no request pays for first use
+    warmup: bool = True  # run each kind of step once at load, so no request pays for first use (runner/warmup.py)
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in DEVICE_KINDS:

@@ -45,6 +45,11 @@ class Capabilities:
     exact_rows: bool = False
     # Whether attention skips the blocks kv_window pruning gives back in the middle of a context.
     skips_pruned_blocks: bool = True
+    # The prompt tokens the load's warm-up runs in one step; None: the whole step budget. An
+    # accelerator's first run of a shape pays for graphs, autotuning and its allocator's pools, so it
+    # warms at full size; a CPU step's first run costs what its later runs do, so a short prompt
+    # warms the same code (docs/PERFORMANCE.md, "Start-up").
+    warmup_prompt_tokens: int | None = None
 
 
 class GreedyHead:

@@ -16,10 +16,12 @@ logger = logging.getLogger(__name__)
 
 
 def warm_up(runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int) -> None:
-    """A prefill at the full token budget, two prompts sharing it, a decode at the full batch and one
-    at a single row."""
+    """A prefill at the full token budget (or the device backend's `warmup_prompt_tokens`), two prompts
+    sharing it, a decode at the full batch and one at a single row."""
     started = time.perf_counter()
     budget = min(max_num_batched_tokens, runner.max_model_len)
+    if runner.backend.capabilities.warmup_prompt_tokens is not None:
+        budget = min(budget, runner.backend.capabilities.warmup_prompt_tokens)
     forward_dummy(runner, [budget])
     forward_dummy(runner, [budget // 2, budget - budget // 2])
     # Decodes without log-probs: the greedy screen's path where there is one (the others took the logits path).

@@ -30,6 +30,10 @@ from tritonllm.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
 
+# The warm-up's prompt step on the CPU: long enough for every prompt path (chunks of several blocks,
+# two prompts in a step), far below a full step budget, whose warm-up bought nothing a first request would feel.
+CPU_WARMUP_PROMPT_TOKENS = 64
+
 
 class CpuBackend(DeviceBackend):
     name = "cpu"
@@ -53,7 +57,8 @@ class CpuBackend(DeviceBackend):
         # Our kernels compute every row alike whatever the batch; oneDNN and MKL may not.
         # FP8 linears (layers/fp8.py) multiply their widened values through torch's GEMM: not our kernels.
         return Capabilities(kv_layout=self.ops.kv_layout,
-                            exact_rows=self.ops.kernels and self.ops.gemm == "avx512" and not self.quantized)
+                            exact_rows=self.ops.kernels and self.ops.gemm == "avx512" and not self.quantized,
+                            warmup_prompt_tokens=CPU_WARMUP_PROMPT_TOKENS)
 
     def prepare(self, model: nn.Module) -> None:
         ops = self.ops
