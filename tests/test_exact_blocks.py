@@ -177,6 +177,70 @@ def test_a_non_finite_value_past_the_sample_rows_is_not_taken_for_blocks(kind, v
     assert find_blocks(weight) is None
 
 
+def q4_weight_with_float32_scales(out_features: int, seed: int) -> torch.Tensor:
+    """Q4_1 blocks whose d is a float32 quotient, not a float16 value, with every d * q still exact
+    (d has 19 significant bits): found only by the last of the search's scale candidates."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    while len(rows) < out_features:
+        d = (torch.randint(2 ** 18, 2 ** 19, (1, 1), generator=gen) * 2.0 ** -26).float()
+        m = (-torch.rand(1, 1, generator=gen) * 0.08).half().float()
+        q = torch.randint(0, 16, (1, 32), generator=gen).float()
+        q[0, 0], q[0, 1] = 0, 15
+        w = d * q + m
+        if d.half().float() != d and torch.equal(bits((w.amax() - w.amin()) / 15 * q + m), bits(w)):
+            rows.append(w)
+    return torch.cat(rows)
+
+
+def _same_blocks(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return all((x is None and y is None) or (x is not None and y is not None and x.dtype == y.dtype
+                                             and torch.equal(x.view(torch.uint8), y.view(torch.uint8)))
+               for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16", "q4_1 float32 scales", "q4_1 inexact products"])
+@pytest.mark.parametrize("case", ["as made", "signed zeros", "one ulp off", "nan", "inf", "random"])
+def test_the_kernels_search_finds_the_torch_searchs_blocks(kind, case):
+    """find_blocks searches the 4- and 8-bit forms with the C++ kernel (csrc/find_exact_blocks.cpp) where
+    the kernels load, and in torch ops with in_torch=True: the same blocks, or None, in every case."""
+    if kind == "q4_1 float32 scales":
+        weight = q4_weight_with_float32_scales(96, seed=7)
+    elif kind == "q4_1 inexact products":
+        weight = q4_weight_with_inexact_products(96, seed=8)[0]
+    else:
+        weight = MAKERS[kind](96, 128, seed=9)
+    if case == "signed zeros":
+        weight[:, :32] = 0.0
+        weight[3, :32] = -0.0
+        weight[5, 7] = -0.0
+        weight[6, :32] = -0.25  # one repeated negative value: d = -0.0 in Q4_1
+    elif case == "one ulp off":
+        weight[90, 20] = torch.nextafter(weight[90, 20], torch.tensor(1.0))
+    elif case in ("nan", "inf"):
+        weight[90, 20] = float(case)
+    elif case == "random":
+        weight = torch.randn(96, 128)
+    assert cpu_kernels.load(), cpu_kernels.error()
+    assert _same_blocks(find_blocks(weight), find_blocks(weight, in_torch=True))
+    if case == "as made" and kind != "q4_1 inexact products":
+        assert find_blocks(weight) is not None
+
+
+def test_the_kernels_search_finds_the_torch_searchs_blocks_in_the_default_model(model_dir):
+    from safetensors import safe_open
+
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, "pt") as tensors:
+            for name in tensors.keys():
+                weight = tensors.get_tensor(name)
+                if weight.dim() == 2:
+                    weight = weight.float()
+                    assert _same_blocks(find_blocks(weight), find_blocks(weight, in_torch=True)), name
+
+
 @panel_gemm
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "bf16"])
 # 1 to 6: each row block of both builds (AVX2: 1 or 2 rows whole, 3 to 5 in half panels, 6 as 3 + 3); 200: decodes with a prompt chunk

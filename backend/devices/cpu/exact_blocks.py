@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from tritonllm.devices.cpu import kernels as cpu_kernels
+
 BLOCK = 32
 _SAMPLE_ROWS = 64  # checked first, so a weight that is not such blocks (most are not) is rejected cheaply
 _CHUNK_BYTES = 2 << 20  # rows solved at a time (_solve_by_rows)
@@ -24,17 +26,23 @@ _CHUNK_BYTES = 2 << 20  # rows solved at a time (_solve_by_rows)
 Blocks = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]  # q, d (None: bfloat16), m (None: Q8_0, bfloat16)
 
 
-def find_blocks(weight: torch.Tensor) -> Blocks | None:
+def find_blocks(weight: torch.Tensor, in_torch: bool = False) -> Blocks | None:
     """weight [N, K] float32 -> (q, d, m) of its Q4_1 blocks (q uint8 [N, K], d and m [N, K / 32]),
     (q, d, None) of its Q8_0 blocks (q int8), or (q, None, None) of its bfloat16 values (q bfloat16),
-    equal to the weight bit for bit; None if none of them."""
+    equal to the weight bit for bit; None if none of them. The C++ kernels search the 4- and 8-bit
+    forms where they are loaded (csrc/find_exact_blocks.cpp, one pass over the weight); `in_torch`,
+    or no kernels: the search below in torch ops, the reference the kernel is tested against."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % BLOCK or weight.numel() == 0:
         return None
     weight = weight.detach().contiguous()
-    for solve in (_solve_q4, _solve_q8, _solve_bf16):  # the most compact form first
-        if weight.shape[0] > _SAMPLE_ROWS and solve(weight[:_SAMPLE_ROWS]) is None:
+    in_kernels = not in_torch and cpu_kernels.load()
+    for solve, levels in ((_solve_q4, 15), (_solve_q8, 127), (_solve_bf16, None)):  # the most compact form first
+        if in_kernels and levels is not None:
+            found = cpu_kernels.find_exact_blocks(weight, levels)  # its own check, bit for bit, as _solve's
+        elif weight.shape[0] > _SAMPLE_ROWS and solve(weight[:_SAMPLE_ROWS]) is None:
             continue
-        found = _solve_by_rows(solve, weight)
+        else:
+            found = _solve_by_rows(solve, weight)
         if found is not None:
             return found
     return None

@@ -5,7 +5,7 @@ in place from the block pool (paged_decode_attention.cpp); the decoder layer's f
 residual add + RMSNorm, rotary + KV write, SiLU * up (fused_decoder_ops.cpp); the greedy head's
 argmax + log-prob in one pass (greedy_head.cpp); the GEMM on weights packed once, in
 float32 or bfloat16 (packed_gemm.cpp), and on weights that are exactly quantized blocks
-(exact_block_gemm.cpp); the float32 greedy head's argmax through a bfloat16 LM head
+(exact_block_gemm.cpp), found at load in one pass (find_exact_blocks.cpp); the float32 greedy head's argmax through a bfloat16 LM head
 (screened_greedy_head.cpp) or 8-bit dot products (int8_greedy_screen.cpp); a Llama-family model's decoder layers in one call (decoder_stack.cpp); and multi-LoRA's per-row
 adapter deltas, one call per linear (lora_delta.cpp).
 
@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 _NAME = "tritonllm_cpu_kernels"
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp",
-             "screened_greedy_head.cpp", "int8_greedy_screen.cpp", "exact_block_gemm.cpp", "decoder_stack.cpp",
+             "screened_greedy_head.cpp", "int8_greedy_screen.cpp", "exact_block_gemm.cpp",
+             "find_exact_blocks.cpp", "decoder_stack.cpp",
              "lora_delta.cpp", "registration.cpp")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
@@ -331,6 +332,15 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) -> [..., out_features], W as packed by `pack_gemm_weight`."""
     return torch.ops.tritonllm.packed_gemm(x, packed, bias, out_features)
+
+
+def find_exact_blocks(weight: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """float32 weight [out, in] -> its Q4_1 (levels 15: q uint8, d, m) or Q8_0 (levels 127: q int8, d, None)
+    blocks as exact_blocks.py defines them, found in one pass; None where some block is not of that form."""
+    q, d, m = torch.ops.tritonllm.find_exact_blocks(weight, levels)
+    if q.numel() == 0 and weight.numel():
+        return None
+    return q, d, (m if levels == 15 else None)
 
 
 def pack_block_weight(q: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

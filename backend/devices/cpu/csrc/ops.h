@@ -47,6 +47,9 @@ std::tuple<at::Tensor, at::Tensor> pack_block_weight(const at::Tensor& q, const 
 at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& bias, int64_t out_features);
 
+// find_exact_blocks.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor> find_exact_blocks(const at::Tensor& weight, int64_t levels);
+
 // screened_greedy_head.cpp
 std::tuple<at::Tensor, at::Tensor> screened_greedy_head(const at::Tensor& x, const at::Tensor& approx,
                                                         const at::Tensor& weight, const at::Tensor& col_bounds);

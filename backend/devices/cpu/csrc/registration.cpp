@@ -19,6 +19,7 @@ TORCH_LIBRARY(tritonllm, m) {
   m.def("packed_gemm_bf16_supported() -> bool", &tritonllm::packed_gemm_bf16_supported);
   m.def("pack_gemm_weight_bf16(Tensor weight) -> Tensor");
   m.def("packed_gemm_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features, int in_features) -> Tensor");
+  m.def("find_exact_blocks(Tensor weight, int levels) -> (Tensor, Tensor, Tensor)");
   m.def("pack_block_weight(Tensor q, Tensor? d, Tensor? m) -> (Tensor, Tensor)");
   m.def("block_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? bias, int out_features) -> Tensor");
   m.def("screened_greedy_head(Tensor x, Tensor approx, Tensor weight, Tensor col_bounds) -> (Tensor, Tensor)");
@@ -45,6 +46,7 @@ TORCH_LIBRARY_IMPL(tritonllm, CPU, m) {
   m.impl("packed_gemm", &tritonllm::packed_gemm);
   m.impl("pack_gemm_weight_bf16", &tritonllm::pack_gemm_weight_bf16);
   m.impl("packed_gemm_bf16", &tritonllm::packed_gemm_bf16);
+  m.impl("find_exact_blocks", &tritonllm::find_exact_blocks);
   m.impl("pack_block_weight", &tritonllm::pack_block_weight);
   m.impl("block_gemm", &tritonllm::block_gemm);
   m.impl("screened_greedy_head", &tritonllm::screened_greedy_head);
