@@ -55,6 +55,16 @@ def children(pid: int, marker: str) -> list[int]:
     return found
 
 
+def _state(pid: int) -> str | None:
+    """The process state letter of `pid` (R, S, D, T, Z, ...), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2:].split()[0].decode()
+
+
 def stub_pids(server) -> list[int]:
     """The pids of the server's Python-backend stub processes."""
     return children(server.process.pid, "triton_python_backend_stub")
@@ -62,6 +72,9 @@ def stub_pids(server) -> list[int]:
 
 def python_stacks(server, pid: int) -> str:
     """Every Python thread's stack of stub `pid`, as it dumps them into the server log on SIGUSR1."""
+    state = _state(pid)
+    if state in ("T", "t"):  # stopped (SIGSTOP, a tracer): the handler runs only once it is continued
+        return f"(none: stub {pid} is stopped, state {state}, and cannot run its signal handler)"
     before = len(server.log_text())
     try:
         os.kill(pid, signal.SIGUSR1)

@@ -29,7 +29,7 @@ def test_a_frozen_stub_is_found_out_with_its_threads_stacks(tmp_path):
         (pid,) = stub_pids(server)
         os.kill(pid, signal.SIGSTOP)
         try:
-            finding = diagnose(server, timeout=1)  # frozen: no answer comes, however long
+            finding = diagnose(server, timeout=0.5)  # frozen: no answer comes, however long
         finally:
             os.kill(pid, signal.SIGCONT)
     finally:
@@ -37,5 +37,6 @@ def test_a_frozen_stub_is_found_out_with_its_threads_stacks(tmp_path):
         server.stop(timeout=0.5)
     assert finding is not None and finding.startswith("a one-token request got"), finding
     assert "the server log's last lines" in finding and f"stub {pid}, Python threads" in finding
+    assert f"stub {pid} is stopped" in finding, finding  # said at once, not after waiting for a dump
     if shutil.which("gdb"):
         assert f"stub {pid}, native threads" in finding and "Thread 1 " in finding, finding
