@@ -80,6 +80,23 @@ def any_stub_alive(server_pid: int) -> bool:
     return next(_living_stubs(server_pid), None) is not None
 
 
+def open_connections(port: int) -> int:
+    """TCP connections on this machine's loopback whose local end is `port` (a server's side) that the server
+    has not closed yet: ESTABLISHED, or CLOSE_WAIT (the client closed; the server has yet to see it)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] in ("01", "08"):
+                count += 1
+    return count
+
+
 def set_parent_death_signal() -> None:
     """In the child before exec: SIGKILL it if the launcher dies, so no tritonserver outlives its front."""
     if LIBC is not None:

@@ -50,7 +50,7 @@ from tritonllm.serving.supervision.front import Front, Policy
 from tritonllm.serving.supervision.metrics import supervisor_metrics
 from tritonllm.serving.supervision.model_state import Model
 from tritonllm.serving.supervision.processes import (LIBC, ProcessWatch, any_stub_alive, exit_description,
-                                                    set_parent_death_signal, stubs_of)
+                                                    open_connections, set_parent_death_signal, stubs_of)
 from tritonllm.serving.supervision.restart_policy import RestartPolicy
 from tritonllm.serving.supervision.tritonserver_api import TritonserverApi
 
@@ -206,6 +206,29 @@ class Supervisor:
         for watch in self._stub_watches.values():
             watch.cancel()
         self._stub_watches.clear()
+
+    async def _unload_models(self, timeout_s: float) -> None:
+        """Before tritonserver's SIGTERM: unload the models that serve, through its API, and wait (bounded)
+        until they have unloaded. After a SIGTERM tritonserver polls its loaded models once a second, so
+        a stop that left the unload to it took up to a second longer; with nothing loaded it exits at once.
+        What has not unloaded within `timeout_s` is left to the SIGTERM (and the kill after it)."""
+        proc = self.process
+        names = [m.name for m in self.models.values() if m.state == "ready"]
+        if proc is None or proc.poll() is not None or self.api is None or not names:
+            return
+
+        async def unload_all() -> None:
+            await asyncio.gather(*(self.api.unload(name, timeout_s) for name in names))
+            while proc.poll() is None:
+                index = await self.api.index()
+                if index is not None and all(index.get(name, {}).get("state") not in ("READY", "UNLOADING")
+                                             for name in names):
+                    return
+                await asyncio.sleep(0.05)
+
+        logger.info("unloading %s", ", ".join(names))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(unload_all(), timeout_s)
 
     async def _server_exited(self, generation: int) -> None:
         if generation != self.server_generation or self.phase in ("draining", "stopped"):
@@ -460,8 +483,16 @@ class Supervisor:
                 await self.front.stop()
             for companion in self.companions:
                 await companion.stop()
+            started = time.monotonic()
+            await self._unload_models(SERVER_STOP_S / 2)
             await self._session.close()
-            await self._stop_server()
+            # On SIGTERM tritonserver first waits for its open HTTP connections, checking once a second: it is
+            # sent once it has seen the ones just closed (all were ours), bounded.
+            deadline = time.monotonic() + 1.0
+            while (self.process is not None and self.process.poll() is None and open_connections(self.private["http"])
+                   and time.monotonic() < deadline):
+                await asyncio.sleep(0.02)
+            await self._stop_server(timeout_s=SERVER_STOP_S - (time.monotonic() - started))
             shutil.rmtree(self._health_dir, ignore_errors=True)
 
     async def _load_all(self) -> bool:
