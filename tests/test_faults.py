@@ -37,12 +37,34 @@ pytestmark = pytest.mark.server
 PROMPTS = CHAT_PROMPTS[:6] + PLAIN_PROMPTS[:4] + PLAIN_PROMPTS[5:]  # the short ones
 IDLE_TIMEOUT_S = 15.0  # gauges refresh twice a second
 
-# Variant configs (one variant server at a time, see conftest.variant_server). No warm-up: the
+# Variant configs (servers of this module's own, started together: see _variants). No warm-up: the
 # variants start in seconds, and warm-up changes no result.
 # Warm-up and exact blocks off where few tokens are decoded: they cost load time and change no result.
 SMALL_QUEUE = dict(max_num_seqs=2, max_queue_size=4, num_kv_blocks=128, max_model_len=1024, warmup="false",
                    exact_block_weights="false")
 TINY_KV = dict(num_kv_blocks=48, max_model_len=512, warmup="false")  # exact blocks on: its many decodes run faster
+VARIANTS = {"small_queue": SMALL_QUEUE, "tiny_kv": TINY_KV}
+
+
+@pytest.fixture(scope="module")
+def _variants(request, tmp_path_factory):
+    """The variant servers (VARIANTS) that this module's selected tests need, started side by side when the first
+    is asked for: a load is mostly one core's work, and a server waiting for its tests uses ~2 % of one. Explicit
+    model control, so tests may unload and load the model. Stopped when the module ends."""
+    from conftest import write_variant_repo
+    from supervised import needed_by, start_together
+    from tritonserver_harness import TritonServer
+
+    servers = {}
+    for name, params in VARIANTS.items():
+        if needed_by(request, f"{name}_server"):
+            root = tmp_path_factory.mktemp(f"variant-{name}")
+            servers[name] = TritonServer(write_variant_repo(root / "repo", **params), log_path=root / "tritonserver.log",
+                                         extra_args=["--model-control-mode=explicit", "--load-model=smollm2"])
+    start_together(*servers.values())
+    yield servers
+    for server in servers.values():
+        server.stop_later()
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -374,8 +396,8 @@ def test_requests_beyond_capacity_queue_and_all_finish(triton_server):
 
 
 @pytest.fixture
-def small_queue_server(variant_server):
-    return variant_server("small_queue", **SMALL_QUEUE)
+def small_queue_server(_variants):
+    return _variants["small_queue"]
 
 
 def test_a_full_queue_answers_unavailable_and_the_rest_finish(small_queue_server):
@@ -417,8 +439,10 @@ def _model_state(admin) -> str:
 def test_unload_under_load_ends_every_stream_and_reload_serves(small_queue_server):
     server = small_queue_server
     admin = grpcclient.InferenceServerClient(server.grpc_url)
+    # Two run (max_num_seqs=2) with 22 tokens or more still to come when the unload is sent, two wait behind them.
+    max_tokens = 24
     probes = [Probe(server.grpc_url, f"u{i}", make_inputs(
-        PROMPTS[i], stream=i != 3, sampling={"max_tokens": 48, "ignore_eos": True})) for i in range(4)]
+        PROMPTS[i], stream=i != 3, sampling={"max_tokens": max_tokens, "ignore_eos": True})) for i in range(4)]
     try:
         wait_responses(probes[:2], at_least=2)  # two running (max_num_seqs=2), two waiting
         admin.unload_model(MODEL)  # returns at once; Triton lets the requests in flight finish
@@ -447,15 +471,15 @@ def test_unload_under_load_ends_every_stream_and_reload_serves(small_queue_serve
         admin.close()
     for p in probes[:4]:
         # Triton waits for requests in flight before finalize; an error is allowed, a hang is not.
-        assert p.error is not None or (len(p.ids) == 48 and p.finish_reason == "length"), (p.request_id, p.errors)
+        assert p.error is not None or (len(p.ids) == max_tokens and p.finish_reason == "length"), (p.request_id, p.errors)
     wait_idle(server)
     assert_serves(server)
 
 
 # ---- 4. a KV pool too small for the load ---------------------------------------------------------
 @pytest.fixture
-def tiny_kv_server(variant_server):
-    return variant_server("tiny_kv", **TINY_KV)
+def tiny_kv_server(_variants):
+    return _variants["tiny_kv"]
 
 
 def test_tiny_kv_pool_preempts_and_everyone_finishes(tiny_kv_server):
