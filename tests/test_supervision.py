@@ -301,7 +301,7 @@ def test_a_model_that_keeps_failing_to_load_is_marked_failed_with_the_reason(ser
         deadline = time.monotonic() + BACK_S
         while served.metric("llm_model_failed", model="smollm2") != 1:
             assert time.monotonic() < deadline, "never marked failed:\n" + served.log_text()[-3000:]
-            time.sleep(0.5)
+            time.sleep(0.1)
         status, body = get(served.http + "/v2/models/smollm2/ready")
         assert status == 503 and "has failed" in body and "max_num_seqs" in body, body
         assert get(served.http + "/v2/health/ready")[0] == 503
