@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -118,29 +119,16 @@ def _default_variant() -> str:
     return cpu_kernels.choose_variant(cpu_kernels._cpu_flags(), platform.machine())
 
 
-@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
-@pytest.mark.parametrize("name", [v.name for v in cpu_kernels.VARIANTS])
-def test_each_variant_this_cpu_runs_passes_the_kernel_tests(name):
-    """The default variant runs the whole suite; each other one this CPU can run passes the kernel tests
-    (the unit tier of tests/test_cpu_kernels.py, test_greedy_screen.py, test_packed_gemm.py and
-    test_lora_kernel.py, and test_exact_blocks.py's GEMM against the float32 panels) in a
-    process of its own (one variant per process), so an AVX-512 machine also tests the AVX2 and scalar
-    code paths. A variant not built yet (install.sh builds them all) is built first."""
-    runnable = cpu_kernels.runnable_variants(cpu_kernels._cpu_flags(), platform.machine())
-    if name not in runnable:
-        pytest.skip(f"this CPU cannot run the {name} variant")
+def _why_not_run(name: str) -> str | None:
+    """Why the variant test of `name` skips on this machine, or None if it runs."""
+    if name not in cpu_kernels.runnable_variants(cpu_kernels._cpu_flags(), platform.machine()):
+        return f"this CPU cannot run the {name} variant"
     if name == _default_variant():
-        pytest.skip(f"{name} is this CPU's default variant: the rest of the suite tests it")
-    tests = [str(REPO / "tests" / f) for f in ("test_cpu_kernels.py", "test_greedy_screen.py", "test_packed_gemm.py",
-                                                 "test_lora_kernel.py",
-                                                 "test_exact_blocks.py::test_the_block_gemm_equals_the_float32_gemm_bit_for_bit")]
-    done = subprocess.run([sys.executable, "-m", "pytest", *tests, "-q", "-m", "unit", "-k", "not engine and not untied",
-                           "-p", "no:cacheprovider"], env={**os.environ, cpu_kernels.ISA_ENV: name},
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert f"CPU kernels variant {name} with" in done.stdout, done.stdout[-2000:]
+        return f"{name} is this CPU's default variant: the rest of the suite tests it"
+    return None
 
 
+HAS_CXX = bool(shutil.which("c++") or shutil.which("g++"))
 AARCH64_CXX = "aarch64-linux-gnu-g++"
 # torch's headers the sources include, parsed once into a precompiled header, so that each source's
 # check is its own code's.
@@ -148,45 +136,92 @@ TORCH_HEADERS = sorted({m.group(1) for path in [*CSRC.glob("*.cpp"), *CSRC.glob(
                         for m in re.finditer(r"^#include <((?:ATen|c10|torch)/[^>]+)>", path.read_text(), re.M)})
 
 
-@pytest.fixture(scope="module")
-def aarch64_flags(tmp_path_factory):
+def _variant_run(name: str) -> list[str]:
+    tests = [str(REPO / "tests" / f) for f in ("test_cpu_kernels.py", "test_greedy_screen.py", "test_packed_gemm.py",
+                                                 "test_lora_kernel.py",
+                                                 "test_exact_blocks.py::test_the_block_gemm_equals_the_float32_gemm_bit_for_bit")]
+    # Not the stale-lock test: it checks load()'s Python lock handling, the same for every variant (the
+    # default variant's run of the suite has it), and costs a process that imports torch.
+    return [sys.executable, "-m", "pytest", *tests, "-q", "-m", "unit",
+            "-k", "not engine and not untied and not lock_file_left_by_a_killed_load", "-p", "no:cacheprovider"]
+
+
+def _aarch64_flags() -> list[str]:
     """The flags torch's builder gives the sources (its C++ standard, c++20 in torch 2.13; its include
-    folders and Python's as system headers), the generic variant's (none) and ours, plus the torch
-    headers precompiled for aarch64 (hundreds of MB, removed after the module)."""
+    folders and Python's as system headers), the generic variant's (none) and ours."""
     from torch.utils.cpp_extension import include_paths
 
+    return ["-std=c++20", "-fPIC", "-O3", "-ffast-math", "-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H",
+            *(f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]])]
+
+
+@pytest.fixture(scope="module")
+def subprocess_runs(request, tmp_path_factory):
+    """The module's slow subprocesses for the selected tests, all started at the first of them and run as many
+    at a time as there are cores, so that the aarch64 compiles (one compiler process each) overlap the
+    variants' test runs (a pytest process each, mostly one core's work): ("variant", name) and ("aarch64",
+    source) -> the finished subprocess, as a future; ("pch", None) -> the torch headers precompiled for
+    aarch64 (hundreds of MB, removed after the module), which every aarch64 check includes."""
+    selected = [item for item in request.session.items
+                if item.module is request.module and "subprocess_runs" in item.fixturenames]
+    variants = sorted({item.callspec.params["name"] for item in selected if "name" in item.callspec.params}
+                      if HAS_CXX else set())
+    variants = [name for name in variants if _why_not_run(name) is None]
+    sources = sorted({item.callspec.params["source"] for item in selected if "source" in item.callspec.params}
+                     if shutil.which(AARCH64_CXX) else set())
+    slots = threading.Semaphore(os.cpu_count() or 1)
+
+    def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+        with slots:
+            return subprocess.run(args, capture_output=True, text=True, **kwargs)
+
     folder = tmp_path_factory.mktemp("aarch64_pch")
-    flags = ["-std=c++20", "-fPIC", "-O3", "-ffast-math", "-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H",
-             *(f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]])]
     header = folder / "torch_headers.h"
+    flags = _aarch64_flags() if sources else []
     header.write_text("".join(f"#include <{h}>\n" for h in TORCH_HEADERS))
-    done = subprocess.run([AARCH64_CXX, *flags, "-x", "c++-header", str(header), "-o", str(header) + ".gch"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, "torch's headers do not compile for aarch64:\n" + done.stderr[-6000:]
-    yield [*flags, "-Winvalid-pch", "-include", str(header)]
+
+    def check(source: str, pch) -> subprocess.CompletedProcess | None:
+        if pch.result().returncode != 0:
+            return None  # the test reports the precompiled header's failure
+        return run([AARCH64_CXX, *flags, "-Winvalid-pch", "-include", str(header), "-fsyntax-only", str(CSRC / source)],
+                   timeout=300)
+
+    with ThreadPoolExecutor(max_workers=1 + len(variants) + len(sources)) as pool:
+        futures = {}
+        if sources:  # first: the longest chain (the header, then the checks)
+            futures["pch", None] = pool.submit(run, [AARCH64_CXX, *flags, "-x", "c++-header", str(header), "-o",
+                                                     str(header) + ".gch"], timeout=300)
+        for name in variants:
+            futures["variant", name] = pool.submit(run, _variant_run(name), env={**os.environ, cpu_kernels.ISA_ENV: name},
+                                                   cwd=REPO, timeout=900)
+        for source in sources:
+            futures["aarch64", source] = pool.submit(check, source, futures["pch", None])
+        yield futures
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def aarch64_checks(request, aarch64_flags):
-    """Each selected source's syntax check, started at once for them all, as many at a time as there are
-    cores (each is one compiler process): source name -> its finished subprocess, as a future."""
-    sources = sorted({item.callspec.params["source"] for item in request.session.items
-                      if item.module is request.module and "aarch64_checks" in item.fixturenames})
-
-    def check(source: str) -> subprocess.CompletedProcess:
-        return subprocess.run([AARCH64_CXX, *aarch64_flags, "-fsyntax-only", str(CSRC / source)], capture_output=True,
-                              text=True, timeout=300)
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        yield {source: pool.submit(check, source) for source in sources}
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+@pytest.mark.parametrize("name", [v.name for v in cpu_kernels.VARIANTS])
+def test_each_variant_this_cpu_runs_passes_the_kernel_tests(name, subprocess_runs):
+    """The default variant runs the whole suite; each other one this CPU can run passes the kernel tests
+    (the unit tier of tests/test_cpu_kernels.py, test_greedy_screen.py, test_packed_gemm.py and
+    test_lora_kernel.py, and test_exact_blocks.py's GEMM against the float32 panels) in a
+    process of its own (one variant per process), so an AVX-512 machine also tests the AVX2 and scalar
+    code paths. A variant not built yet (install.sh builds them all) is built first."""
+    if reason := _why_not_run(name):
+        pytest.skip(reason)
+    done = subprocess_runs["variant", name].result()
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert f"CPU kernels variant {name} with" in done.stdout, done.stdout[-2000:]
 
 
 @pytest.mark.skipif(not shutil.which(AARCH64_CXX),
                     reason=f"no {AARCH64_CXX} (scripts/install.sh installs g++-aarch64-linux-gnu for the test extra)")
 @pytest.mark.parametrize("source", sorted(p.name for p in CSRC.glob("*.cpp")))
-def test_each_source_compiles_for_aarch64(source, aarch64_checks):
+def test_each_source_compiles_for_aarch64(source, subprocess_runs):
     """The generic variant on an ARM server: every x86 intrinsic behind its #if. torch's and Python's
     headers pick their own SIMD by the compiler's target defines (__aarch64__ here), not the host's."""
-    done = aarch64_checks[source].result()
+    pch = subprocess_runs["pch", None].result()
+    assert pch.returncode == 0, "torch's headers do not compile for aarch64:\n" + pch.stderr[-6000:]
+    done = subprocess_runs["aarch64", source].result()
     assert done.returncode == 0, done.stderr[-6000:]
