@@ -46,7 +46,7 @@ def openai_front(triton_grpc_url: str, log: Path, *args: str, ready_path: str = 
             except (urllib.error.URLError, OSError):  # not listening yet
                 pass
             assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-            time.sleep(0.5)
+            time.sleep(0.1)
         yield base
     finally:
         process.send_signal(signal.SIGTERM)
