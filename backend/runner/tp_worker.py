@@ -56,6 +56,7 @@ def serve(conn: Connection) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     conn = Connection(int(os.environ["TRITONLLM_TP_FD"]))
+    code = 0
     try:
         serve(conn)
     except BaseException as exc:
@@ -64,14 +65,14 @@ def main() -> None:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
         except OSError:
             pass
-        sys.exit(1)
-    # Stopped cleanly: nothing is left to give back (the pool and the weights are this process's memory, and
-    # rank 0 starts no more collectives), so once the logs are written the interpreter's own teardown of
-    # torch, most of a second that rank 0's close would wait for, is skipped.
+        code = 1
+    # Stopped or failed: nothing is left to give back (the pool and the weights are this process's memory, and
+    # rank 0 starts no more collectives with it), so once the logs are written the interpreter's own teardown
+    # of torch, most of a second that rank 0's close (or its watchdog, after a failure) would wait for, is skipped.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
