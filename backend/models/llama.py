@@ -170,8 +170,10 @@ class LlamaForCausalLM(nn.Module):
         by_type = rope_by_layer_type(cfg)  # Gemma 3: the sliding layers' frequencies apart
         self.rotary = RotaryEmbedding(cfg, self.head_dim, max_position, "full_attention" if by_type else None)
         self.local_rotary = RotaryEmbedding(cfg, self.head_dim, max_position, "sliding_attention") if by_type else None
-        # Left uninitialised: the checkpoint's table replaces it, so a random draw over it would be wasted at each load.
-        self.embed_tokens = nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size)
+        # Left uninitialised: the checkpoint's table replaces it, so a random draw over it would be wasted at
+        # each load. (nn.utils.skip_init would do the same through the meta device, which imports torch._dynamo.)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         # A window no shorter than the longest sequence never limits anything: no sliding masks then.
         sliding = sliding_layers(cfg)
         self.attention_window = attention_window(cfg, max_position)
