@@ -37,7 +37,9 @@ while True:
 
 def _fake_server(tmp_path, lines: list[str], code: str) -> TritonServer:
     server = TritonServer(tmp_path, log_path=tmp_path / "tritonserver.log")
-    with open(server.log_path, "wb") as log:
+    # Append mode: the test's own lines (a crash's, written before the stop) stay where they are; a plain
+    # write would let the fake's next line, at its own offset, overwrite them.
+    with open(server.log_path, "ab") as log:
         server.process = subprocess.Popen([sys.executable, "-c", FAKE, "|".join(lines), code], stdout=log,
                                           stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
