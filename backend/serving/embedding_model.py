@@ -34,7 +34,7 @@ from tritonllm.core.parameters import ConfigError
 from tritonllm.core.sampling_params import InvalidRequestError
 from tritonllm.embeddings.config import EmbeddingConfig, resolve_embedding_model_dir
 from tritonllm.embeddings.request import EmbeddingOutput
-from tritonllm.serving import orphan_guard
+from tritonllm.serving import orphan_guard, stub_exit
 from tritonllm.core.error_kinds import KIND_OF_ERROR
 from tritonllm.serving.instance_config import config_from_triton
 from tritonllm.serving.model_io import EMBEDDING_INPUTS, complete_config, embedding_outputs, missing_inputs_error
@@ -96,10 +96,12 @@ class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config):
         """Triton asks before initialize: the tensors config.pbtxt does not list. Not decoupled (see above)."""
+        stub_exit.skip_interpreter_teardown()  # this stub exits once it has answered (stub_exit.py)
         outputs = embedding_outputs(_embedding_size(auto_complete_model_config.as_dict()))
         return complete_config(auto_complete_model_config, EMBEDDING_INPUTS, outputs)
 
     def initialize(self, args: dict) -> None:
+        stub_exit.skip_interpreter_teardown()  # tritonserver waits for this stub's exit (stub_exit.py)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
         self._orphan_guard = orphan_guard.start()  # this stub must not outlive tritonserver (orphan_guard.py)
         self.model_config = json.loads(args["model_config"])

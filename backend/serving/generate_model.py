@@ -30,7 +30,7 @@ from tritonllm.core.errors import EngineDeadError, QueueFullError
 from tritonllm.core.outputs import RequestOutput
 from tritonllm.core.parameters import ConfigError
 from tritonllm.core.sampling_params import InvalidRequestError
-from tritonllm.serving import engine_health, orphan_guard
+from tritonllm.serving import engine_health, orphan_guard, stub_exit
 from tritonllm.core.error_kinds import KIND_OF_ERROR, asks_for_kind, with_kind
 from tritonllm.serving.instance_config import config_from_triton
 from tritonllm.serving.metrics import EngineMetrics
@@ -117,9 +117,11 @@ class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config):
         """Triton asks before initialize: the tensors config.pbtxt does not list, and decoupled streaming."""
+        stub_exit.skip_interpreter_teardown()  # this stub exits once it has answered (stub_exit.py)
         return complete_config(auto_complete_model_config, GENERATE_INPUTS, GENERATE_OUTPUTS, decoupled=True)
 
     def initialize(self, args: dict) -> None:
+        stub_exit.skip_interpreter_teardown()  # tritonserver waits for this stub's exit (stub_exit.py)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
         self._orphan_guard = orphan_guard.start()  # this stub must not outlive tritonserver (orphan_guard.py)
         # `kill -USR1 <stub pid>` writes every Python thread's stack into the server log: for a model that
