@@ -7,7 +7,8 @@ argmax + log-prob in one pass (greedy_head.cpp); the GEMM on weights packed once
 float32 or bfloat16 (packed_gemm.cpp), and on weights that are exactly quantized blocks
 (exact_block_gemm.cpp), found at load in one pass (find_exact_blocks.cpp); the float32 greedy head's argmax through a bfloat16 LM head
 (screened_greedy_head.cpp) or 8-bit dot products (int8_greedy_screen.cpp); a Llama-family model's decoder layers in one call (decoder_stack.cpp); and multi-LoRA's per-row
-adapter deltas, one call per linear (lora_delta.cpp).
+adapter deltas, one call per linear (lora_delta.cpp); and tensor parallelism's all-reduce between the
+ranks' processes through shared memory (shared_memory_all_reduce.cpp, used by shared_memory_all_reduce.py).
 
 torch's JIT extension builder compiles the same sources once per instruction-set variant (VARIANTS):
 `avx512_bf16` (-march=x86-64-v4 -mavx512vnni -mavx512bf16), `avx512` (-march=x86-64-v4), `avx2`
@@ -53,7 +54,7 @@ _SOURCES = [Path(__file__).parent / "csrc" / name for name in
             ("paged_decode_attention.cpp", "fused_decoder_ops.cpp", "greedy_head.cpp", "packed_gemm.cpp",
              "screened_greedy_head.cpp", "int8_greedy_screen.cpp", "exact_block_gemm.cpp",
              "find_exact_blocks.cpp", "decoder_stack.cpp",
-             "lora_delta.cpp", "registration.cpp")]
+             "lora_delta.cpp", "shared_memory_all_reduce.cpp", "registration.cpp")]
 _HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "error": str, "variant": str
@@ -402,6 +403,39 @@ def int8_greedy_screen(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, ne
 def int8_screen_steps() -> int:
     """The steps x is quantized to by the fastest integer dot product here: 127 with VNNI, 63 with plain AVX2."""
     return 127 if int8_screen_instructions() in ("AVX512-VNNI", "AVX-VNNI") else 63
+
+
+def shm_all_reduce_segment_bytes(world_size: int, slot_bytes: int) -> int:
+    """The bytes of a shared-memory all-reduce segment for `world_size` ranks with slots of `slot_bytes`
+    (a multiple of 128)."""
+    return int(torch.ops.tritonllm.shm_all_reduce_segment_bytes(world_size, slot_bytes))
+
+
+def shm_all_reduce_init(segment: torch.Tensor, world_size: int, slot_bytes: int) -> None:
+    """Rank 0 lays out a new segment (uint8, mapped by every rank, zeroed) for `world_size` ranks."""
+    torch.ops.tritonllm.shm_all_reduce_init(segment, world_size, slot_bytes)
+
+
+def shm_all_reduce_join(segment: torch.Tensor, rank: int, pid: int) -> int:
+    """`rank` (process `pid`) has mapped the segment; returns the world size it was laid out for."""
+    return int(torch.ops.tritonllm.shm_all_reduce_join(segment, rank, pid))
+
+
+def shm_all_reduce_joined(segment: torch.Tensor) -> int:
+    """How many ranks have joined the segment."""
+    return int(torch.ops.tritonllm.shm_all_reduce_joined(segment))
+
+
+def shm_all_reduce_abort(segment: torch.Tensor) -> None:
+    """Set the segment's abort word: every rank waiting in an all-reduce on it fails at once."""
+    torch.ops.tritonllm.shm_all_reduce_abort(segment)
+
+
+def shm_all_reduce_(x: torch.Tensor, segment: torch.Tensor, rank: int, timeout_s: float) -> torch.Tensor:
+    """x (contiguous float32, bfloat16 or float16) summed in place over every rank of the segment, in rank
+    order (the same bits on every rank). RuntimeError, naming the rank, if a rank it waits on dies, the
+    abort word is set, or it waits more than `timeout_s`."""
+    return torch.ops.tritonllm.shm_all_reduce_(x, segment, rank, timeout_s)
 
 
 def main() -> None:

@@ -77,4 +77,12 @@ at::Tensor decoder_stack(const at::Tensor& hidden, at::TensorList norms, at::Ten
                          int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& lora_table,
                          int64_t lora_slots, at::IntArrayRef lora_segments);
 
+// shared_memory_all_reduce.cpp
+int64_t shm_all_reduce_segment_bytes(int64_t world_size, int64_t slot_bytes);
+void shm_all_reduce_init(const at::Tensor& segment, int64_t world_size, int64_t slot_bytes);
+int64_t shm_all_reduce_join(const at::Tensor& segment, int64_t rank, int64_t pid);
+int64_t shm_all_reduce_joined(const at::Tensor& segment);
+void shm_all_reduce_abort(const at::Tensor& segment);
+at::Tensor& shm_all_reduce_(at::Tensor& x, const at::Tensor& segment, int64_t rank, double timeout_s);
+
 }  // namespace tritonllm

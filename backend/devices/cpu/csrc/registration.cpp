@@ -34,6 +34,13 @@ TORCH_LIBRARY(tritonllm, m) {
         "Tensor[] qk_norms, bool whole_projection_norms, Tensor[] output_norms, float scale, float eps, int num_heads, "
         "int num_kv_heads, Tensor? lora_table, int lora_slots, int[] lora_segments) "
         "-> Tensor(c!)");
+  m.def("shm_all_reduce_segment_bytes(int world_size, int slot_bytes) -> int",
+        &tritonllm::shm_all_reduce_segment_bytes);
+  m.def("shm_all_reduce_init(Tensor(a!) segment, int world_size, int slot_bytes) -> ()");
+  m.def("shm_all_reduce_join(Tensor(a!) segment, int rank, int pid) -> int");
+  m.def("shm_all_reduce_joined(Tensor segment) -> int");
+  m.def("shm_all_reduce_abort(Tensor(a!) segment) -> ()");
+  m.def("shm_all_reduce_(Tensor(a!) x, Tensor(b!) segment, int rank, float timeout_s) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(tritonllm, CPU, m) {
@@ -53,4 +60,9 @@ TORCH_LIBRARY_IMPL(tritonllm, CPU, m) {
   m.impl("int8_greedy_screen", &tritonllm::int8_greedy_screen);
   m.impl("lora_delta_", &tritonllm::lora_delta_);
   m.impl("decoder_stack", &tritonllm::decoder_stack);
+  m.impl("shm_all_reduce_init", &tritonllm::shm_all_reduce_init);
+  m.impl("shm_all_reduce_join", &tritonllm::shm_all_reduce_join);
+  m.impl("shm_all_reduce_joined", &tritonllm::shm_all_reduce_joined);
+  m.impl("shm_all_reduce_abort", &tritonllm::shm_all_reduce_abort);
+  m.impl("shm_all_reduce_", &tritonllm::shm_all_reduce_);
 }
