@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU with gloo: two ranks give the same greedy ids as one; a dead worker fails loudly.
+"""Tensor parallelism on CPU: two ranks give the same greedy ids as one; a dead worker fails loudly.
 
 Offline through the Engine, and end to end through a real tritonserver whose smollm2 runs with
 tensor_parallel_size=2 (rank 0 in Triton's stub process, rank 1 in a worker process).
@@ -67,6 +67,7 @@ def test_two_ranks_give_the_same_greedy_ids_as_one(engine, tp_engine):
     got = [o.token_ids for o in tp_engine.generate(prompts, GREEDY)]  # continuously batched
     assert got == expected
     assert tp_engine.runner.model.num_kv_heads == 2  # 3 KV heads split 2 + 1
+    assert tp_engine.runner.tp.local_all_reduce is not None  # the CPU kernels' shared-memory all-reduce
     assert not tp_engine.has_unfinished() and tp_engine.block_manager.num_used_blocks == 0
 
 
@@ -82,24 +83,28 @@ def test_two_ranks_copy_a_partly_matched_prefix_block_on_every_rank(engine, tp_e
     assert [o.token_ids for o in got] == expected
 
 
-def test_two_ranks_with_a_float16_kv_cache_give_the_same_greedy_ids_as_one(model_dir, capfd):
+def test_two_ranks_with_a_float16_kv_cache_and_no_kernels_give_the_same_greedy_ids_as_one(model_dir, capfd):
     # Each worker allocates its own pool: it must use the configured KV dtype too, not the model's
     # (short greedy outputs do not tell them apart, so the worker's own report is checked as well).
+    # Without the CPU kernels the ranks sum through gloo, the fallback of the shared-memory all-reduce.
     from tritonllm.core.config import EngineConfig
     from tritonllm.engine.engine import Engine
 
     # Exact blocks off on both (the KV dtype is what is tested here; tp_engine's tests read them): a quicker load.
     prompts = PLAIN_PROMPTS[:3]
-    one = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16", warmup=False,
-                                              exact_block_weights=False))
+    params = dict(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16", warmup=False,
+                  exact_block_weights=False, cpu_kernels=False)
+    one = Engine(EngineConfig.from_parameters(**params))
     expected = [o.token_ids for o in one.generate(prompts, GREEDY)]
-    two = Engine(EngineConfig.from_parameters(model=str(model_dir), num_kv_blocks=128, kv_cache_dtype="float16",
-                              tensor_parallel_size=2, warmup=False, exact_block_weights=False))
+    two = Engine(EngineConfig.from_parameters(**params, tensor_parallel_size=2))
     try:
+        assert two.runner.tp.local_all_reduce is None
         assert [o.token_ids for o in two.generate(prompts, GREEDY)] == expected
     finally:
         two.close()
-    assert "rank 1 ready: 1 KV heads, 128 blocks of float16" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "rank 1 ready: 1 KV heads, 128 blocks of float16" in err
+    assert "all_reduce=gloo (cpu_kernels=false)" in err
 
 
 def test_a_shard_count_the_model_cannot_take_is_refused(model_dir):

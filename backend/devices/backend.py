@@ -50,6 +50,9 @@ class Capabilities:
     # warms at full size; a CPU step's first run costs what its later runs do, so a short prompt
     # warms the same code (docs/PERFORMANCE.md, "Start-up").
     warmup_prompt_tokens: int | None = None
+    # Whether tensor-parallel ranks sum their partial results through a shared-memory segment with our CPU
+    # kernels (devices/cpu/shared_memory_all_reduce.py) rather than the process group's all-reduce.
+    shared_memory_all_reduce: bool = False
 
 
 class GreedyHead:

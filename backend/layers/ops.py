@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 
 # The declared ops, in the order the plan line names them.
 # The LM head is a `Linear` too (its own entry, where its weight is prepared apart); `greedy_head` is the
-# device's token choice (devices/head.py), which the backend adds to the plan.
+# device's token choice (devices/head.py), which the backend adds to the plan; `all_reduce`, tensor
+# parallelism's sum across ranks (parallel/shard.py), is named by a backend that chooses it.
 OPS = ("linear", "lora_delta", "rms_norm", "add_rms_norm", "act_and_mul", "rotary_write_kv", "attention",
-       "decoder_stack", "lm_head", "greedy_head")
+       "decoder_stack", "lm_head", "greedy_head", "all_reduce")
 
 
 class LayerOps:

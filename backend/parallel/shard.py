@@ -9,6 +9,7 @@ locally; when the KV heads do not divide evenly, the first ranks take one more g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,11 +17,15 @@ import torch
 
 @dataclass
 class TPShard:
-    """Shared by every layer of one model; `group` is set once the ranks have met (after loading)."""
+    """Shared by every layer of one model; `group` (and `local_all_reduce`, where the device has one) is set
+    once the ranks have met (after loading)."""
 
     rank: int = 0
     world_size: int = 1
     group: object | None = None  # a torch.distributed ProcessGroup of this model's ranks only
+    # Sums a tensor in place across the ranks faster than the group's all-reduce, where the device has such
+    # a path (the CPU's through shared memory: devices/cpu/shared_memory_all_reduce.py); None: the group's.
+    local_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def split(self, n: int) -> tuple[int, int]:
         """[start, end) of this rank's contiguous share of n items (the first n % world get one more)."""
@@ -30,6 +35,8 @@ class TPShard:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
+            if self.local_all_reduce is not None:
+                return self.local_all_reduce(x)
             self.group.allreduce([x]).wait()
         return x
 

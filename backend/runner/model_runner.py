@@ -78,7 +78,9 @@ class ModelRunner:
             self.kv_plan = plan_kv_pools(self.model, config, max_model_len, self.kv_dtype, device, self.tp_size)
             if self.workers is not None:
                 self.workers.wait_loaded()
-                self.tp.group = self.workers.connect(device, self.kv_plan.num_blocks, self.kv_plan.num_window_blocks)
+                self.tp.group = self.workers.connect(device, self.kv_plan.num_blocks, self.kv_plan.num_window_blocks,
+                                                     self.backend.capabilities.shared_memory_all_reduce)
+                self.tp.local_all_reduce = self.workers.shared_memory
         except BaseException:
             self.close()
             raise
@@ -130,7 +132,7 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.close()
             self.workers = None
-            self.tp.group = None
+            self.tp.group = self.tp.local_all_reduce = None
         if self._threads_before:  # also when the workers never started
             torch.set_num_threads(self._threads_before)
             self._threads_before = 0

@@ -13,15 +13,17 @@ import os
 import pickle
 import sys
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
 from pathlib import Path
 
 import torch
 
 from tritonllm.devices import platform
+from tritonllm.devices.cpu.shared_memory_all_reduce import SharedMemoryAllReduce
 from tritonllm.parallel.shard import TPShard
 from tritonllm.runner.model_shard import ModelShard
 from tritonllm.runner.step_inputs import to_device
-from tritonllm.runner.tp_workers import WorkerSpec, make_store, new_process_group
+from tritonllm.runner.tp_workers import COLLECTIVE_TIMEOUT, WorkerSpec, make_store, new_process_group
 
 logger = logging.getLogger("tritonllm.runner.tp_worker")
 
@@ -36,7 +38,10 @@ def serve(conn: Connection) -> None:
     tp = TPShard(spec.rank, spec.world_size)
     shard = ModelShard(spec.config, Path(spec.model_dir), device, dtype, spec.max_model_len, tp)
     conn.send("loaded")
-    _, store_port, num_blocks, num_window_blocks = conn.recv()
+    _, store_port, num_blocks, num_window_blocks, shared_memory = conn.recv()
+    if shared_memory:  # mapped (and joined) before this rank joins the group, which rank 0 waits for
+        tp.local_all_reduce = SharedMemoryAllReduce.attach(recv_handle(conn), spec.rank,
+                                                           COLLECTIVE_TIMEOUT.total_seconds())
     store = make_store(store_port, spec.world_size, False)
     tp.group = new_process_group(device, spec.rank, spec.world_size, store)
     shard.allocate(num_blocks, num_window_blocks)

@@ -4,8 +4,11 @@ This process is rank 0: it keeps the scheduler, block manager and Triton glue, a
 shard of the model. Every other rank is a worker process (`python -m tritonllm.runner.tp_worker`) that
 only runs the model: it receives each step's host inputs over a private socket pair, in order, and
 meets the other ranks in the forward's all-reduces (torch.distributed: gloo on CPU, NCCL on CUDA,
-HCCL on Ascend). A worker that exits is noticed by a watchdog thread within a fraction of a
-second, and a collective waiting on it fails at once: the engine then stops and fails its requests.
+HCCL on Ascend; on CPU with our kernels loaded, through a shared-memory segment instead:
+devices/cpu/shared_memory_all_reduce.py). A worker that exits is noticed by a watchdog thread within a
+fraction of a second, and a collective waiting on it fails at once (the watchdog sets the segment's abort
+word; a process group's collective fails as its peer's socket closes): the engine then stops and fails its
+requests.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
 
 import torch
 
 from tritonllm.core.config import EngineConfig
+from tritonllm.devices.cpu.shared_memory_all_reduce import SharedMemoryAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +83,7 @@ class TensorParallelWorkers:
         self._startup_timeout_s = startup_timeout_s
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
+        self.shared_memory: SharedMemoryAllReduce | None = None  # the CPU's all-reduce, once connected with it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         exe = python_executable()
         for spec in specs:
@@ -119,13 +125,22 @@ class TensorParallelWorkers:
             if message != "loaded":
                 raise TensorParallelError(f"tensor-parallel worker rank {rank}: unexpected {message!r}")
 
-    def connect(self, device: torch.device, num_blocks: int, num_window_blocks: int):
+    def connect(self, device: torch.device, num_blocks: int, num_window_blocks: int, shared_memory: bool = False):
         """Every rank joins this model's process group, the workers told their pools' sizes; returns rank 0's
-        group. The rendezvous store lives as long as the workers."""
+        group. The rendezvous store lives as long as the workers. With `shared_memory` (CPU ranks, kernels
+        loaded) every rank also maps one all-reduce segment (`self.shared_memory`): each worker gets its
+        file descriptor after the message, and has joined it when this returns."""
         self._store = make_store(0, self.world_size, is_master=True)
-        for conn in self._conns:
-            conn.send(("connect", self._store.port, num_blocks, num_window_blocks))
-        return new_process_group(device, 0, self.world_size, self._store)
+        if shared_memory:
+            self.shared_memory = SharedMemoryAllReduce.create(self.world_size, COLLECTIVE_TIMEOUT.total_seconds())
+        for conn, proc in zip(self._conns, self._procs):
+            conn.send(("connect", self._store.port, num_blocks, num_window_blocks, shared_memory))
+            if self.shared_memory is not None:
+                send_handle(conn, self.shared_memory.fileno(), proc.pid)
+        group = new_process_group(device, 0, self.world_size, self._store)
+        if self.shared_memory is not None:  # every worker maps it before it joins the group: a formality
+            self.shared_memory.wait_joined(self._startup_timeout_s, self._raise_if_failed)
+        return group
 
     # ---- steps -------------------------------------------------------------------------------
     def broadcast(self, host_step) -> None:
@@ -160,11 +175,18 @@ class TensorParallelWorkers:
                 if code is not None and not self._closing and self.failure is None:
                     self.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
                     logger.error("%s", self.failure)
+                    self._abort_collectives()
             time.sleep(0.1)
+
+    def _abort_collectives(self) -> None:
+        """Make every rank waiting in a shared-memory all-reduce (or entering one) fail at once."""
+        if self.shared_memory is not None:
+            self.shared_memory.abort()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop every worker: a polite message first, then SIGKILL for any that do not leave."""
         self._closing = True
+        self._abort_collectives()  # a worker left waiting in an all-reduce (this rank's step failed) leaves too
         for conn in self._conns:
             try:
                 conn.send_bytes(pickle.dumps(("stop", None)))
@@ -179,6 +201,8 @@ class TensorParallelWorkers:
                 proc.wait()
         for conn in self._conns:
             conn.close()
+        if self.shared_memory is not None:
+            self.shared_memory.close()
 
 
 def new_process_group(device: torch.device, rank: int, world_size: int, store):

@@ -51,6 +51,8 @@ class CpuBackend(DeviceBackend):
         # The most rows a step's GEMMs take: decodes and prompt chunks together.
         self.step_rows = max(runtime.max_num_batched_tokens, runtime.max_num_seqs)
         self.stack_refusal = "C++ kernels off"  # why the decoder layers do not run as one call
+        # Tensor parallelism's all-reduce through shared memory needs the kernels loaded, whatever the dtype.
+        self.shared_memory_all_reduce = runtime.tensor_parallel_size > 1 and options.kernels and kernels.load()
 
     @property
     def capabilities(self) -> Capabilities:
@@ -58,7 +60,8 @@ class CpuBackend(DeviceBackend):
         # FP8 linears (layers/fp8.py) multiply their widened values through torch's GEMM: not our kernels.
         return Capabilities(kv_layout=self.ops.kv_layout,
                             exact_rows=self.ops.kernels and self.ops.gemm == "avx512" and not self.quantized,
-                            warmup_prompt_tokens=CPU_WARMUP_PROMPT_TOKENS)
+                            warmup_prompt_tokens=CPU_WARMUP_PROMPT_TOKENS,
+                            shared_memory_all_reduce=self.shared_memory_all_reduce)
 
     def prepare(self, model: nn.Module) -> None:
         ops = self.ops
@@ -154,4 +157,7 @@ class CpuBackend(DeviceBackend):
             plan["decoder_stack"] = "C++ (unless sliding layers mix with full ones)"
         else:
             plan["decoder_stack"] = f"off, layer by layer ({self.stack_refusal})"
+        if self.runtime.tensor_parallel_size > 1:
+            plan["all_reduce"] = ("C++ through shared memory" if self.shared_memory_all_reduce else
+                                  "gloo (cpu_kernels=false)" if not self.options.kernels else "gloo (no C++ kernels)")
         return plan
