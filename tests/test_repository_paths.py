@@ -3,7 +3,7 @@
 What is checked, relative to the repository root unless said otherwise:
 
 - pyproject.toml: each `package-dir` folder; each of `packages` as a folder with an `__init__.py`
-  (through package-dir), and every such folder under a package-dir root listed there (a package not
+  (through package-dir), or as a folder of data files only where `package-data` names it, and every such folder under a package-dir root listed there (a package not
   listed is left out of a wheel); each `package-data` glob matches at least one file; each
   `[project.scripts]` entry's module exists and defines its function; and each repository path the
   file names in its text, comments included (rule A below).
@@ -100,9 +100,15 @@ def test_pyproject_package_dirs_packages_and_package_data_exist():
     problems = [f"package-dir {name!r}: no folder {folder}" for name, folder in package_dir.items()
                 if not (REPO / folder).is_dir()]
     listed = set(setuptools["packages"])
+    data_folders = set(setuptools.get("package-data", {}))
     for package in sorted(listed):
-        if not (_package_folder(package, package_dir) / "__init__.py").is_file():
-            problems.append(f"packages: {package} has no {_package_folder(package, package_dir).relative_to(REPO)}/__init__.py")
+        folder = _package_folder(package, package_dir)
+        if package in data_folders and not (folder / "__init__.py").exists():  # a folder of data files only
+            if not folder.is_dir() or any(folder.glob("*.py")):
+                problems.append(f"packages: data folder {package} ({folder.relative_to(REPO)}) is missing or holds "
+                                "Python files without an __init__.py")
+        elif not (folder / "__init__.py").is_file():
+            problems.append(f"packages: {package} has no {folder.relative_to(REPO)}/__init__.py")
     for name, folder in package_dir.items():
         for init in sorted((REPO / folder).rglob("__init__.py")):
             package = ".".join([name, *init.parent.relative_to(REPO / folder).parts])
