@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -155,9 +155,25 @@ async def _unless_disconnected(request: Request, work):
         await asyncio.gather(task, watch, return_exceptions=True)
 
 
-async def _load_tokenizers(backend: TritonBackend, wait_s: float = 1800, poll_s: float = 1.0) -> None:
+def _import_tokenizer_libraries() -> None:
+    """transformers' tokenizer and configuration classes, torch beneath them, and transformers.activations,
+    which a model's configuration class pulls in with its type checks (and with it torch.distributed.tensor):
+    nearly all of a tokenizer's first load, and the same for every model."""
+    from transformers import AutoTokenizer, PretrainedConfig  # noqa: F401
+
+    with suppress(ImportError):  # a later transformers may move it: only this head start is lost
+        import transformers.activations  # noqa: F401
+
+
+async def _load_tokenizers(backend: TritonBackend, wait_s: float = 1800, poll_s: float = 0.2) -> None:
     """Load the generate models' tokenizers once tritonserver is ready, so that the first chat request
-    does not wait for transformers (seconds). Bounded: gives up after `wait_s`; requests load them anyway."""
+    does not wait for transformers (seconds). Which tokenizers is known only once the models are ready,
+    but the libraries they need are imported at once, while the models load (this server starts with
+    tritonserver under `tritonllm-serve`). Bounded: gives up after `wait_s`; requests load them anyway."""
+    try:
+        await asyncio.to_thread(_import_tokenizer_libraries)
+    except Exception:  # noqa: BLE001 - a request that needs a tokenizer reports the error
+        logger.warning("importing transformers ahead of requests failed", exc_info=True)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
