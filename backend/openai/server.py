@@ -165,11 +165,12 @@ def _import_tokenizer_libraries() -> None:
         import transformers.activations  # noqa: F401
 
 
-async def _load_tokenizers(backend: TritonBackend, wait_s: float = 1800, poll_s: float = 0.2) -> None:
+async def _load_tokenizers(backend: TritonBackend, embeddings=None, wait_s: float = 1800, poll_s: float = 0.2) -> None:
     """Load the generate models' tokenizers once tritonserver is ready, so that the first chat request
-    does not wait for transformers (seconds). Which tokenizers is known only once the models are ready,
-    but the libraries they need are imported at once, while the models load (this server starts with
-    tritonserver under `tritonllm-serve`). Bounded: gives up after `wait_s`; requests load them anyway."""
+    does not wait for transformers (seconds), and those of the embedding models ready by then
+    (`embeddings`: the EmbeddingsFront, embeddings.py). Which tokenizers is known only once the models
+    are ready, but the libraries they need are imported at once, while the models load (this server starts
+    with tritonserver under `tritonllm-serve`). Bounded: gives up after `wait_s`; requests load them anyway."""
     try:
         await asyncio.to_thread(_import_tokenizer_libraries)
     except Exception:  # noqa: BLE001 - a request that needs a tokenizer reports the error
@@ -182,6 +183,8 @@ async def _load_tokenizers(backend: TritonBackend, wait_s: float = 1800, poll_s:
                 if models:
                     for info in models.values():
                         await backend.tokenizer(info)
+                    for model in (await embeddings.models()).values() if embeddings is not None else ():
+                        await embeddings.tokenizer(model)
                     return
         except Exception:  # noqa: BLE001 - a request that needs the tokenizer reports the error
             logger.warning("loading a tokenizer ahead of requests failed", exc_info=True)
@@ -210,7 +213,7 @@ def create_app(triton_url: str, tools: ToolSettings | None = None, model_reposit
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await backend.start()
-        warm = asyncio.ensure_future(_load_tokenizers(backend))
+        warm = asyncio.ensure_future(_load_tokenizers(backend, getattr(app.state, "embeddings", None)))
         yield
         warm.cancel()
         await asyncio.gather(warm, return_exceptions=True)
