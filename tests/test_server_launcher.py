@@ -98,7 +98,7 @@ def test_the_openai_servers_options_go_to_it_not_to_tritonserver(tmp_path, monke
         find_pytriton()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    from tritonllm.openai import server as openai_server
+    from tritonllm.openai import child_process as openai_server
 
     started, calls = [], []
     monkeypatch.setattr(server_module, "check_numpy", lambda: None)

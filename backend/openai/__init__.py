@@ -16,6 +16,6 @@ and cancellation stay Triton's: a client that disconnects cancels its Triton req
   template and tool parser options; `tool_parsers.py`: reading calls out of the model's text, streamed;
 - `reasoning.py`: a reasoning model's thinking apart from its answer; `token_bytes.py`: each token's
   own bytes for chat log-probs; `embeddings.py`: `/v1/embeddings`;
-- `server.py`: the FastAPI app and `main` (`python -m tritonllm.openai`), `start_server` for the
-  launcher.
+- `server.py`: the FastAPI app and `main` (`python -m tritonllm.openai`); `child_process.py`: its start
+  as a process of its own, for the launcher.
 """

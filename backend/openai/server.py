@@ -2,7 +2,7 @@
 
     python -m tritonllm.openai --triton-url 127.0.0.1:8001 --port 9000
 
-`tritonllm-serve --openai-port 9000` starts it beside tritonserver (`start_server`). It holds no
+`tritonllm-serve --openai-port 9000` starts it beside tritonserver (`child_process.py`). It holds no
 model: every completion is a Triton request, so it can start before tritonserver is ready (requests
 then get 503) and follows models as they are loaded and unloaded.
 """
@@ -16,7 +16,6 @@ import logging
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -588,14 +587,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         _exit_with_parent(os.getppid())
     uvicorn.run(create_app(args.triton_url, tools, args.model_repository, args.reasoning_parser), host=args.host,
                 port=args.port, log_level=args.log_level, access_log=False, timeout_graceful_shutdown=5)
-
-
-def start_server(triton_url: str, host: str, port: int, log_level: str = "warning",
-                 extra_args: Sequence[str] = (), model_repository: str | None = None) -> subprocess.Popen:
-    """Start the server as a child process (tritonllm-serve's --openai-port); it stops when its parent does.
-    `extra_args`: more of its options (--chat-template, --tool-call-parser, ...); `model_repository`:
-    tritonserver's, whose multi_lora.json files name the LoRA adapters it lists."""
-    repository = ["--model-repository", model_repository] if model_repository else []
-    cmd = [sys.executable, "-m", "tritonllm.openai", "--triton-url", triton_url, "--host", host,
-           "--port", str(port), "--log-level", log_level, "--exit-with-parent", *repository, *extra_args]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           """"sampling_parameters": "{\\"max_tokens\\": 32}"}'""", flush=True)
     start_openai = None
     if args.openai_port is not None:
-        from tritonllm.openai.server import start_server
+        from tritonllm.openai.child_process import start_server
 
         # A child process that stops by itself once its parent is gone (tritonllm-serve; tritonserver after the
         # exec below with --no-supervise).
