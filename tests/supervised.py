@@ -96,6 +96,12 @@ class Supervised:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
 
+    def story(self, last: int = 40) -> str:
+        """The supervisor's own lines and tritonserver's crash reports, for an assertion's message."""
+        lines = [line for line in self.log_text().splitlines()
+                 if "tritonllm-serve" in line or "Signal (" in line or "orphan guard" in line]
+        return "\n".join(lines[-last:])
+
     def start(self) -> "Supervised":
         cmd = [sys.executable, "-m", "tritonllm.serving.launcher", "--model-repository", str(self.repository),
                "--no-prepare", "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),

@@ -243,7 +243,7 @@ def test_a_killed_stub_ends_its_requests_at_once_and_the_model_comes_back(served
         for p in probes:
             p.close(timeout=1)
     print(f"smollm2 back {took:.1f} s after the kill")
-    assert served.metric("llm_model_restarts_total", model="smollm2") == restarts + 1
+    assert served.metric("llm_model_restarts_total", model="smollm2") == restarts + 1, served.story()
     assert served.metric("llm_model_ready", model="smollm2") == 1
     assert "killed by SIGKILL" in served.log_text() and "serves again" in served.log_text()
     # minilm, beside it: the same stub, every request answered.
@@ -338,7 +338,8 @@ def test_sigint_with_a_dead_stub_exits_0_without_hanging(served):
     assert probe.close(timeout=5)
     deadline = time.monotonic() + 15  # the orphan guards end stubs a killed tritonserver leaves
     while os.path.exists(f"/proc/{server_pid}") or served_stubs_alive(served):
-        assert time.monotonic() < deadline, "tritonserver or a stub outlived tritonllm-serve"
+        assert time.monotonic() < deadline, (f"tritonserver (alive: {os.path.exists(f'/proc/{server_pid}')}) or a "
+                                             f"stub outlived tritonllm-serve:\n{served.story()}")
         time.sleep(0.2)
 
 

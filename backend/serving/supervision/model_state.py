@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from dataclasses import dataclass, field
 
 
@@ -20,3 +21,9 @@ class Model:
     died_at: float | None = None
     zombie: bool = False  # a stub died: tritonserver keeps that version UNLOADING for good
     task: asyncio.Task | None = None
+    ready_at: float = 0.0  # monotonic time it last became ready: what tritonserver said before is stale
+
+    def serves(self) -> None:
+        """It has loaded and serves."""
+        self.state, self.reason, self.zombie = "ready", "", False
+        self.ready_at = time.monotonic()

@@ -7,6 +7,7 @@ its own death, and the gauges it owned keep their last values.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -66,6 +67,27 @@ def _living_stubs(server_pid: int):
         args = _cmdline(int(entry))
         if len(args) >= 2 and args[0].endswith(STUB_MARKER):
             yield int(entry), args
+
+
+def children_of(server_pid: int) -> dict[int, str]:
+    """Every living child of `server_pid`, whatever it runs (a stub still between fork and exec has
+    tritonserver's command line): pid -> its start time, which tells the same process from a pid reused later."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _proc_stat(int(entry))
+            if fields is not None and int(fields[1]) == server_pid and fields[0] != "Z":
+                found[int(entry)] = fields[19]
+    return found
+
+
+def kill_if_same(pid: int, started: str | None) -> None:
+    """SIGKILL `pid` unless it has exited, or its pid now belongs to a process started at another time."""
+    fields = _proc_stat(pid)
+    if fields is None or fields[0] == "Z" or (started is not None and fields[19] != started):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def stubs_of(server_pid: int, repository: Path, model: str) -> dict[int, str]:

@@ -49,8 +49,9 @@ from tritonllm.serving.supervision.companion import Companion
 from tritonllm.serving.supervision.front import Front, Policy
 from tritonllm.serving.supervision.metrics import supervisor_metrics
 from tritonllm.serving.supervision.model_state import Model
-from tritonllm.serving.supervision.processes import (LIBC, ProcessWatch, any_stub_alive, exit_description,
-                                                    open_connections, set_parent_death_signal, stubs_of)
+from tritonllm.serving.supervision.processes import (LIBC, ProcessWatch, any_stub_alive, children_of, exit_description,
+                                                    kill_if_same, open_connections, set_parent_death_signal,
+                                                    stubs_of)
 from tritonllm.serving.supervision.restart_policy import RestartPolicy
 from tritonllm.serving.supervision.tritonserver_api import TritonserverApi
 
@@ -122,7 +123,7 @@ class Supervisor:
                 else ("unloaded", "")
             return
         if load and ok:
-            m.state, m.reason, m.zombie = "ready", "", False
+            m.serves()
             m.restarts.clear()
             self._watch_stubs(m)
             logger.info("model %s loaded by an operator through the repository API", model)
@@ -181,16 +182,22 @@ class Supervisor:
             return
         if self._server_watch is not None:
             self._server_watch.cancel()
-        stubs = [pid for m in self.models.values() for pid in m.stubs]
+        # Its children, each seen while it is still theirs (once tritonserver is gone they are re-parented):
+        # the stubs of the models that serve, of earlier loads still finishing, and of a load in flight that
+        # nothing here has watched yet, one maybe still between fork and exec.
+        children = {pid: None for m in self.models.values() for pid in (*m.stubs, *m.retired)}
+        children.update(children_of(proc.pid))
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
             while proc.poll() is None and time.monotonic() < deadline:
+                children.update(children_of(proc.pid))
                 if self.dead_stub_versions and not any_stub_alive(proc.pid):
                     # Every living model has unloaded (its stubs have exited); what is left is a dead stub's
                     # version, which tritonserver would wait on until its exit timeout, for nothing.
                     logger.info("every stub has ended; tritonserver waits only on the version(s) whose stub "
                                 "died: stopping it now")
+                    children.update(children_of(proc.pid))
                     proc.kill()
                     await asyncio.get_running_loop().run_in_executor(None, proc.wait)
                     break
@@ -198,11 +205,11 @@ class Supervisor:
             if proc.poll() is None:
                 logger.warning("tritonserver did not exit within %.0f s of SIGTERM (requests held by a dead stub "
                                "keep it waiting): killing it", timeout_s)
+                children.update(children_of(proc.pid))
                 proc.kill()
                 await asyncio.get_running_loop().run_in_executor(None, proc.wait)
-        for pid in stubs:  # a killed tritonserver leaves its stubs behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        for pid, started in children.items():  # a killed tritonserver leaves its stubs behind
+            kill_if_same(pid, started)
         for watch in self._stub_watches.values():
             watch.cancel()
         self._stub_watches.clear()
@@ -343,6 +350,8 @@ class Supervisor:
                 # Its finalize frees the old engine's memory first; bounded, as tritonserver also waits
                 # for the streams that carried requests to it.
                 await self._wait_unloaded(m.name, 30)
+            for stale in (self._health_dir / m.name).glob("*.json"):  # the dead load's, not the next one's
+                stale.unlink(missing_ok=True)
             m.restarts.append(time.monotonic())
             m.restarts_total += 1
             attempt = len(m.restarts)
@@ -354,7 +363,7 @@ class Supervisor:
             started = time.monotonic()
             error = await self.api.load(m.name)
             if error is None:
-                m.state, m.reason, m.zombie = "ready", "", False
+                m.serves()
                 self._watch_stubs(m)
                 since = time.monotonic() - m.died_at if m.died_at else 0.0
                 logger.info("model %s serves again: loaded in %.1f s, %.1f s after it died", m.name,
@@ -380,7 +389,7 @@ class Supervisor:
             if self.phase != "serving" or self.process is None or self.process.poll() is not None:
                 silent_since = None
                 continue
-            generation = self.server_generation
+            generation, asked = self.server_generation, time.monotonic()
             index = await self.api.index()
             if generation != self.server_generation:
                 continue
@@ -395,8 +404,9 @@ class Supervisor:
             silent_since = None
             for m in list(self.models.values()):
                 state = index.get(m.name, {}).get("state")
-                if m.state == "ready" and state != "READY":
-                    reason = self._health_reason(m.name) or "the engine stopped"
+                # An index asked for while it was (re)loading may come back after the load: not a death.
+                if m.state == "ready" and state != "READY" and m.ready_at < asked:
+                    reason = self._health_reason(m.name) or f"the engine stopped; tritonserver's index: {state}"
                     self._model_died(m, "unloaded_itself", f"it unloaded itself ({reason})")
 
     def _health_reason(self, model: str) -> str | None:
@@ -511,7 +521,7 @@ class Supervisor:
             return False
         for name in names:
             m = self.models[name]
-            m.state, m.reason = "ready", ""
+            m.serves()
             self._watch_stubs(m)
         return True
 
