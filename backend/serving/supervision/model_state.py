@@ -22,6 +22,7 @@ class Model:
     zombie: bool = False  # a stub died: tritonserver keeps that version UNLOADING for good
     task: asyncio.Task | None = None
     ready_at: float = 0.0  # monotonic time it last became ready: what tritonserver said before is stale
+    unready_polls: int = 0  # index polls in a row that found it not READY while it was ready here
 
     def serves(self) -> None:
         """It has loaded and serves."""

@@ -404,8 +404,15 @@ class Supervisor:
             silent_since = None
             for m in list(self.models.values()):
                 state = index.get(m.name, {}).get("state")
-                # An index asked for while it was (re)loading may come back after the load: not a death.
-                if m.state == "ready" and state != "READY" and m.ready_at < asked:
+                # An index asked for while it was (re)loading may come back after the load: not a death. Nor is
+                # one answer alone: an engine that dies reports it at once (_poll_health); this is the fallback,
+                # and it waits for a second poll to say the same.
+                if m.state != "ready" or state == "READY" or m.ready_at >= asked:
+                    m.unready_polls = 0
+                    continue
+                m.unready_polls += 1
+                if m.unready_polls >= 2:
+                    m.unready_polls = 0
                     reason = self._health_reason(m.name) or f"the engine stopped; tritonserver's index: {state}"
                     self._model_died(m, "unloaded_itself", f"it unloaded itself ({reason})")
 
