@@ -27,9 +27,21 @@ def test_children_of_names_each_living_child_with_its_start_time_and_kill_if_sam
         assert second.poll() is None
         assert first.pid not in children_of(os.getpid())  # exited (a zombie until reaped, then gone)
         kill_if_same(first.pid, found[first.pid])  # gone: nothing to do, no error
-        kill_if_same(second.pid, None)  # no start time known: killed if alive
-        assert second.wait(10) == -9
+        kill_if_same(second.pid, None)  # no start time known: killed only if it is a Triton stub, which it is not
+        time.sleep(0.2)
+        assert second.poll() is None
     finally:
         for p in sleepers:
             p.kill()
             p.wait()
+    stub = subprocess.Popen(["bash", "-c", "exec -a /opt/tritonserver/backends/python/triton_python_backend_stub sleep 60"])
+    try:
+        deadline = time.monotonic() + 10
+        while not open(f"/proc/{stub.pid}/cmdline", "rb").read().startswith(b"/opt/"):  # until bash has exec'd
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        kill_if_same(stub.pid, None)
+        assert stub.wait(10) == -9
+    finally:
+        stub.kill()
+        stub.wait()

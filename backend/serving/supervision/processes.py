@@ -82,9 +82,12 @@ def children_of(server_pid: int) -> dict[int, str]:
 
 
 def kill_if_same(pid: int, started: str | None) -> None:
-    """SIGKILL `pid` unless it has exited, or its pid now belongs to a process started at another time."""
+    """SIGKILL `pid` unless it has exited, or its pid now belongs to a process started at another time
+    (`started` None, not known: unless it is no longer a Triton stub)."""
     fields = _proc_stat(pid)
-    if fields is None or fields[0] == "Z" or (started is not None and fields[19] != started):
+    if fields is None or fields[0] == "Z":
+        return
+    if (fields[19] != started) if started is not None else not (_cmdline(pid) or [""])[0].endswith(STUB_MARKER):
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
