@@ -441,10 +441,20 @@ def shm_all_reduce_(x: torch.Tensor, segment: torch.Tensor, rank: int, timeout_s
 def main() -> None:
     """`python -m tritonllm.devices.cpu.kernels`: build every variant the compiler can target, one
     after another (install time: one install then serves any CPU), load this CPU's, say whether it
-    worked. With `--this-cpu`: only load (building if needed) the variant this process runs."""
+    worked. With `--this-cpu`: only load (building if needed) the variant this process runs. With
+    `--runnable`: build only the variants this CPU can run (what a test install here uses)."""
     logging.basicConfig(level=logging.INFO)
+    args = sys.argv[1:]
+    wanted = VARIANTS
+    if "--this-cpu" in args:
+        wanted = ()
+    elif "--runnable" in args:
+        runnable = runnable_variants(_cpu_flags(), platform.machine())
+        wanted = tuple(v for v in VARIANTS if v.name in runnable)
+        if skipped := [v.name for v in VARIANTS if v.name not in runnable]:
+            logger.info("CPU kernels: only the variants this CPU runs are built, not %s", ", ".join(skipped))
     built = []
-    for v in () if "--this-cpu" in sys.argv[1:] else VARIANTS:
+    for v in wanted:
         if v.x86 and not compiler_targets(v.name):
             logger.info("CPU kernels: the compiler does not target the %s variant; skipped", v.name)
             continue
