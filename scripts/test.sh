@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 aiperf_log="$(mktemp)"
 bash scripts/install_aiperf.sh >"$aiperf_log" 2>&1 &
 aiperf_install=$!
-# The tests run on this CPU: the kernel variants it cannot run are not built (each is ~35 s of both cores).
+# The tests run on this CPU only: the kernel variants it cannot run would be built for nothing.
 TRITONLLM_KERNEL_BUILD=runnable bash scripts/install.sh test
 if ! wait "$aiperf_install"; then
   cat "$aiperf_log" >&2; rm -f "$aiperf_log"
